@@ -1,0 +1,43 @@
+"""dist_ckpt: atomic, validated, asynchronous checkpoints for torchrun FSDP/DDP jobs."""
+
+from .config import CheckpointConfig
+from .errors import (
+    CommitError,
+    ConfigError,
+    ContractMismatch,
+    DistCkptError,
+    GenerationExists,
+    NotAtOptimizerBoundary,
+    StagingError,
+    StorageError,
+    TorchVersionMismatch,
+    UnsafeNameError,
+    ValidationError,
+)
+from .inventory import GenerationInfo
+from .manager import CheckpointManager
+from .restore import RestoreResult
+from .sampler import ResumableSampler
+from .state import TrainState
+from .version import __version__
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointManager",
+    "CommitError",
+    "ConfigError",
+    "ContractMismatch",
+    "DistCkptError",
+    "GenerationExists",
+    "GenerationInfo",
+    "NotAtOptimizerBoundary",
+    "ResumableSampler",
+    "RestoreResult",
+    "StagingError",
+    "StorageError",
+    "TorchVersionMismatch",
+    "TrainState",
+    "UnsafeNameError",
+    "ValidationError",
+    "__version__",
+]

@@ -1,0 +1,90 @@
+"""Checkpoint-side communication, kept off the training process group.
+
+Foreground collectives (agreement at ``save()``, planning, restore) run on a dedicated gloo
+group created once by :class:`Comm` (all ranks construct it together). Background work never
+runs a collective: ranks report through the c10d store, whose waits take deadlines and
+poison nothing when they time out.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+
+def current_rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Comm:
+    """Rank identity, a dedicated gloo group and a namespaced c10d store.
+
+    Call order: construct on all ranks at the same point (collective); afterwards the
+    collective helpers are called by all ranks in the same order, from the main thread only.
+    """
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = current_rank_and_world()
+        self.distributed = self.world_size > 1 or (dist.is_available() and dist.is_initialized())
+        if self.distributed:
+            self.group = dist.new_group(backend="gloo")
+            base_store = dist.distributed_c10d._get_default_store()
+        else:
+            self.group = None
+            base_store = dist.HashStore()
+        session = self.broadcast(uuid.uuid4().hex[:12])
+        self.session = session
+        self.store = dist.PrefixStore(f"dist_ckpt/{session}/", base_store)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.group)
+        return out
+
+    def scatter(self, objs: list[Any] | None, src: int = 0) -> Any:
+        if not self.distributed:
+            assert objs is not None
+            return objs[0]
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, objs if self.rank == src else None, src=src, group=self.group)
+        return box[0]
+
+    def store_set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def store_wait(self, keys: list[str], timeout_s: float) -> list[str]:
+        """Wait until every key exists or the deadline passes; returns the keys still missing."""
+        try:
+            self.store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))
+            return []
+        except Exception:  # noqa: BLE001 - a store timeout raises a backend-specific type
+            return [k for k in keys if not self.store.check([k])]
+
+    def store_get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    def close(self) -> None:
+        if self.distributed and self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,68 @@
+"""Validated settings. Errors at construction name the offending field."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+ROOT_ENV = "DIST_CKPT_ROOT"
+
+
+class CheckpointConfig(BaseModel):
+    """Settings of a :class:`CheckpointManager`.
+
+    ``root`` is a local path or a URL (``file://``, ``s3://``); when omitted it is read
+    from the ``DIST_CKPT_ROOT`` environment variable.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root: str = Field(default="", validate_default=True, description="checkpoint root: path or URL")
+    async_save: bool = False
+    max_in_flight: int = Field(default=1, ge=1, le=8)
+    in_flight_policy: Literal["block", "skip"] = "block"
+    commit_timeout_s: float = Field(default=300.0, gt=0)
+    close_timeout_s: float = Field(default=600.0, gt=0)
+    io_threads: int = Field(default=1, ge=1, le=32)
+    keep_last: int | None = Field(default=None, ge=1)
+    strict_torch_version: bool = False
+    allow_contract_change: bool = False
+
+    def __init__(self, **data: object) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            fields = ", ".join(".".join(str(p) for p in e["loc"]) or "config" for e in exc.errors())
+            raise ConfigError(f"invalid CheckpointConfig field(s) {fields}: {exc}") from exc
+
+    @field_validator("root", mode="before")
+    @classmethod
+    def _root_from_env(cls, value: object) -> str:
+        if value is None or value == "":
+            value = os.environ.get(ROOT_ENV, "")
+        if not isinstance(value, str | os.PathLike):
+            raise ValueError("root must be a path or URL string")
+        text = os.fspath(value)
+        if not text:
+            raise ValueError(f"root is required (pass root= or set {ROOT_ENV})")
+        if text.startswith("file://"):
+            text = text[len("file://"):]
+        if "://" not in text:
+            text = os.path.abspath(text)
+        return text
+
+    @model_validator(mode="after")
+    def _check_retention(self) -> CheckpointConfig:
+        if self.async_save and self.keep_last is not None and self.keep_last < 2:
+            raise ValueError(
+                "keep_last must be >= 2 with async_save: the newest generation may still be in flight"
+            )
+        return self
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.root

@@ -1,0 +1,218 @@
+"""One save, from shard write to the rank-0 commit, coordinated through the c10d store.
+
+Call order for a generation ``G`` (``run_save`` drives it on every rank, in the caller's
+thread for a synchronous save or in a background thread for an asynchronous one):
+
+1. ``write_rank_files`` (all ranks): DCP shard data and this rank's state files into the
+   private pending directory, each file fsynced, then read back for its sha256.
+2. report (all ranks): ``G/report/<rank>`` in the store: files, sizes, digests, DCP write
+   results, or the error.
+3. ``commit`` (rank 0): wait for every report until the deadline; write DCP ``.metadata``,
+   then ``manifest.json`` last, fsync, rename the pending directory to its final name,
+   fsync the root, validate, then replace ``latest.json``. On any failure: remove the
+   pending directory, publish nothing.
+4. outcome (rank 0 publishes ``G/outcome``; other ranks wait for it with a deadline and, on
+   failure, remove what they wrote). No collective runs in this protocol.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import shutil
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+from . import faults
+from .comm import Comm
+from .errors import CommitError, GenerationExists
+from .manifest import DCP_DIR, GLOBAL_STATE_FILE, STATE_DIR, rank_state_file
+from .planning import PreparedSave
+from .publish import PublishInfo, publish_generation
+from .storage.local import file_sha256, fsync_dir, write_durable
+
+
+@dataclass
+class SaveRequest:
+    generation: str
+    next_update: int
+    tokens_seen: int
+    root: str
+    pending_name: str
+    prepared: PreparedSave
+    rank_state: bytes
+    global_state: bytes | None  # rank 0 only
+    info: PublishInfo | None  # rank 0 only
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def pending(self) -> str:
+        return os.path.join(self.root, self.pending_name)
+
+
+@dataclass
+class SaveJob:
+    request: SaveRequest
+    on_done: Callable[[SaveJob], None] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: CommitError | None = None
+    thread: threading.Thread | None = None
+    committed: bool = False
+    duration_s: float = 0.0
+
+
+def _report_key(generation: str, nonce: str, rank: int) -> str:
+    return f"{generation}/{nonce}/report/{rank}"
+
+
+def _outcome_key(generation: str, nonce: str) -> str:
+    return f"{generation}/{nonce}/outcome"
+
+
+def write_rank_files(request: SaveRequest, rank: int, io_threads: int) -> tuple[list[dict], bytes]:
+    """Write this rank's files; returns the file entries and the pickled DCP write results."""
+    faults.hit("write.before", rank)
+    dcp_dir = os.path.join(request.pending, DCP_DIR)
+    state_dir = os.path.join(request.pending, STATE_DIR)
+    os.makedirs(dcp_dir, exist_ok=True)
+    os.makedirs(state_dir, exist_ok=True)
+    writer = FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True,
+                              thread_count=io_threads, overwrite=True)
+    results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()
+    relative = sorted({f"{DCP_DIR}/{r.storage_data.relative_path}" for r in results})
+    write_durable(os.path.join(request.pending, rank_state_file(rank)), request.rank_state)
+    relative.append(rank_state_file(rank))
+    if request.global_state is not None:
+        write_durable(os.path.join(request.pending, GLOBAL_STATE_FILE), request.global_state)
+        relative.append(GLOBAL_STATE_FILE)
+    fsync_dir(dcp_dir)
+    fsync_dir(state_dir)
+    faults.hit("write.after", rank)
+    entries = hash_files(request.pending, relative, rank)
+    return entries, pickle.dumps(results)
+
+
+def hash_files(base: str, relative: list[str], rank: int) -> list[dict]:
+    def one(rel: str) -> dict:
+        size, digest = file_sha256(os.path.join(base, rel))
+        return {"path": rel, "size": size, "sha256": digest, "rank": rank}
+
+    if len(relative) <= 1:
+        return [one(rel) for rel in relative]
+    with ThreadPoolExecutor(max_workers=min(4, len(relative))) as pool:
+        return list(pool.map(one, relative))
+
+
+def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float) -> None:
+    """Drive one save on this rank (see the module docstring); never raises, sets job.error."""
+    request = job.request
+    nonce = request.pending_name
+    try:
+        report: dict = {"rank": comm.rank}
+        try:
+            if comm.rank != 0 and comm.store.check([_outcome_key(request.generation, nonce)]):
+                raise CommitError("generation already failed before this rank wrote")
+            entries, results = write_rank_files(request, comm.rank, io_threads)
+            report.update(files=entries, results=base64.b64encode(results).decode("ascii"))
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, surfaced as CommitError
+            report["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        faults.hit("report.before", comm.rank)
+        comm.store_set(_report_key(request.generation, nonce, comm.rank),
+                       json.dumps(report).encode())
+        if comm.rank == 0:
+            outcome = commit(request, comm, commit_timeout_s)
+            comm.store_set(_outcome_key(request.generation, nonce), json.dumps(outcome).encode())
+        else:
+            outcome = _await_outcome(request, comm, commit_timeout_s)
+            if not outcome["ok"]:
+                _remove_own_files(request, report.get("files", []))
+        if outcome["ok"]:
+            job.committed = True
+        else:
+            failures = {int(r): m for r, m in outcome["failures"].items()}
+            job.error = CommitError(f"generation {request.generation} was not committed",
+                                    generation=request.generation, failures=failures)
+    except Exception as exc:  # noqa: BLE001 - anything else is this rank's failure
+        job.error = CommitError(f"generation {request.generation} failed on rank {comm.rank}",
+                                generation=request.generation,
+                                failures={comm.rank: f"{type(exc).__name__}: {exc}"})
+    finally:
+        job.duration_s = time.monotonic() - request.started
+        if job.on_done is not None:
+            job.on_done(job)
+        job.done.set()
+
+
+def _await_outcome(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> dict:
+    key = _outcome_key(request.generation, request.pending_name)
+    # rank 0 stops waiting for reports at the deadline and then needs a moment to publish
+    remaining = commit_timeout_s - (time.monotonic() - request.started) + max(30.0, commit_timeout_s)
+    if comm.store_wait([key], remaining):
+        return {"ok": False, "failures": {"0": "rank 0 published no outcome before the deadline"}}
+    return json.loads(comm.store_get(key))
+
+
+def _remove_own_files(request: SaveRequest, entries: list[dict]) -> None:
+    for entry in entries:
+        try:
+            os.unlink(os.path.join(request.pending, entry["path"]))
+        except FileNotFoundError:
+            pass
+    for directory in (DCP_DIR, STATE_DIR, ""):
+        try:
+            os.rmdir(os.path.join(request.pending, directory))
+        except OSError:
+            pass
+
+
+def collect_reports(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> tuple[list[dict], dict[int, str]]:
+    """Rank 0: every rank's report, or the failures (late, missing, or failed ranks)."""
+    keys = [_report_key(request.generation, request.pending_name, r) for r in range(comm.world_size)]
+    remaining = commit_timeout_s - (time.monotonic() - request.started)
+    missing = set(comm.store_wait(keys, remaining)) if remaining > 0 else {
+        k for k in keys if not comm.store.check([k])}
+    failures: dict[int, str] = {}
+    reports: list[dict] = []
+    for rank, key in enumerate(keys):
+        if key in missing:
+            failures[rank] = f"did not report within commit_timeout_s={commit_timeout_s:g}"
+            continue
+        report = json.loads(comm.store_get(key))
+        if "error" in report:
+            failures[rank] = report["error"]
+        reports.append(report)
+    if not failures and time.monotonic() - request.started > commit_timeout_s:
+        failures[0] = f"rank 0 did not finish within commit_timeout_s={commit_timeout_s:g}"
+    for key in keys:
+        if key not in missing:
+            comm.store.delete_key(key)
+    return reports, failures
+
+
+def commit(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> dict:
+    """Rank 0: publish the generation if every rank reported in time; returns the outcome."""
+    reports, failures = collect_reports(request, comm, commit_timeout_s)
+    if not failures:
+        try:
+            results = [pickle.loads(base64.b64decode(r["results"])) for r in reports]
+            entries = [entry for r in reports for entry in r["files"]]
+            assert request.info is not None and request.prepared.metadata is not None
+            publish_generation(request, request.info, entries, results)
+        except GenerationExists as exc:
+            failures[0] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - any publish failure fails the generation
+            traceback.print_exc()
+            failures[0] = f"{type(exc).__name__}: {exc}"
+    if failures:
+        shutil.rmtree(request.pending, ignore_errors=True)
+        return {"ok": False, "failures": {str(r): m for r, m in failures.items()}}
+    return {"ok": True, "failures": {}}

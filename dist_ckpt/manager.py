@@ -1,0 +1,257 @@
+"""``CheckpointManager``: the public face (save / wait / close / restore / generations).
+
+Call order: construct on every rank after ``init_process_group`` (collective: it creates the
+checkpoint gloo group); ``restore()`` on every rank before training; ``save(next_update)`` on
+every rank at the same optimizer boundaries; ``wait()`` / ``close()`` on every rank at the end.
+``save()`` runs one small all-gather on the checkpoint group so that all ranks agree on
+errors to raise, skipping, and plan reuse; everything after the staging copy runs in the
+background for an asynchronous save and coordinates only through the c10d store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from . import codec, retention
+from . import contract as contract_mod
+from .comm import Comm
+from .config import CheckpointConfig
+from .coordinator import SaveJob, SaveRequest, run_save
+from .errors import CommitError, GenerationExists, NotAtOptimizerBoundary
+from .inventory import GenerationInfo, inventory
+from .manifest import PENDING_PREFIX, generation_name
+from .planning import SavePlanCache, layout_fingerprint
+from .publish import PublishInfo
+from .restore import RestoreResult, load_generation, select_generation
+from .staging import StagingPool
+from .state import TrainState
+from .storage import open_backend
+from .version import __version__
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveStats:
+    requested: int = 0
+    started: int = 0
+    skipped: int = 0
+    committed: int = 0
+    failed: int = 0
+    last_blocking_s: float = 0.0
+
+
+class CheckpointManager:
+    """Saves and restores the :class:`TrainState` of this rank under ``config.root``."""
+
+    def __init__(self, config: CheckpointConfig, state: TrainState) -> None:
+        self.config = config
+        self.state = state
+        if not config.is_local:
+            raise NotImplementedError("object-store roots arrive with the fsspec backend")
+        self.comm = Comm()
+        if self.comm.rank == 0:
+            os.makedirs(config.root, exist_ok=True)
+            self._remove_stale_pending()
+        self.comm.all_gather(None)  # nobody lists the root before rank 0 created it
+        self.backend = open_backend(config.root)
+        self.staging = StagingPool(config.max_in_flight) if config.async_save else None
+        self.plans = SavePlanCache(self.comm)
+        self.stats = SaveStats()
+        self._jobs: list[SaveJob] = []
+        self._unraised: dict[str, CommitError] = {}
+        self._raised: set[str] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---- save ------------------------------------------------------------------------
+    def save(self, next_update: int, *, tokens_seen: int | None = None) -> SaveJob | None:
+        """Snapshot the state as generation ``next_update`` (all ranks, same arguments).
+
+        Returns the in-flight job, or None when skipped by the ``skip`` policy. Raises the
+        ``CommitError`` of an earlier failed generation (once, on every rank) instead of saving.
+        """
+        self._check_open()
+        started = time.perf_counter()
+        self.stats.requested += 1
+        self._reap()
+        live = self.state.tensor_state()
+        fingerprint = layout_fingerprint(live)
+        name = generation_name(next_update)
+        facts = {
+            "busy": len(self._jobs) >= self.config.max_in_flight,
+            "errors": sorted(self._unraised),
+            "boundary": self.state.at_optimizer_boundary(),
+            "cached": fingerprint == self.plans.fingerprint,
+        }
+        if self.comm.rank == 0:
+            facts["exists"] = self.backend.exists(name)
+            facts["nonce"] = f"{PENDING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        agreed = self.comm.all_gather(facts)
+        self._raise_agreed_errors(sorted({g for f in agreed for g in f["errors"]}))
+        if not all(f["boundary"] for f in agreed):
+            self.state.check_boundary()
+            raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
+        if agreed[0]["exists"]:
+            raise GenerationExists(f"{name} is already committed under {self.config.root}")
+        if any(f["busy"] for f in agreed):
+            if self.config.in_flight_policy == "skip":
+                self.stats.skipped += 1
+                log.warning("skipped save of %s: %d save(s) in flight", name, len(self._jobs))
+                return None
+            while len(self._jobs) >= self.config.max_in_flight:
+                self._jobs[0].done.wait()
+                self._reap()
+        job = self._start(name, next_update, tokens_seen, live, fingerprint,
+                          all(f["cached"] for f in agreed), agreed[0]["nonce"])
+        self.stats.last_blocking_s = time.perf_counter() - started
+        return job
+
+    def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
+               fingerprint: str, all_cached: bool, nonce: str) -> SaveJob:
+        state = self.state
+        state.next_update = next_update
+        if tokens_seen is not None:
+            state.tokens_seen = tokens_seen
+        slot = self.staging.acquire() if self.staging is not None else None
+        try:
+            staged = slot.stage(live) if slot is not None else live
+            prepared = self.plans.prepare(staged, fingerprint, all_cached)
+        except BaseException:
+            if slot is not None:
+                self.staging.release(slot)  # type: ignore[union-attr]
+            raise
+        is_root = self.comm.rank == 0
+        request = SaveRequest(
+            generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
+            root=self.config.root, pending_name=nonce, prepared=prepared,
+            rank_state=codec.dumps(state.rank_state()),
+            global_state=codec.dumps(state.global_state()) if is_root else None,
+            info=PublishInfo(world_size=self.comm.world_size, components=list(state.components),
+                             contract=state.contract,
+                             contract_digest=contract_mod.digest(state.contract),
+                             dist_ckpt_version=__version__) if is_root else None,
+        )
+
+        def on_done(finished: SaveJob) -> None:
+            if slot is not None:
+                self.staging.release(slot)  # type: ignore[union-attr]
+            if finished.committed and is_root and self.config.keep_last:
+                retention.prune(self.backend, self._committed_names(),
+                                keep_last=self.config.keep_last)
+
+        job = SaveJob(request, on_done=on_done)
+        self.stats.started += 1
+        args = (job, self.comm, self.config.io_threads, self.config.commit_timeout_s)
+        if self.config.async_save:
+            job.thread = threading.Thread(target=run_save, args=args, daemon=True,
+                                          name=f"dist-ckpt-save-{name}")
+            self._jobs.append(job)
+            job.thread.start()
+        else:
+            run_save(*args)
+            self._jobs.append(job)
+            self._reap()
+            self._raise_unraised()
+        return job
+
+    def _committed_names(self) -> list[str]:
+        return [g.name for g in self.generations() if g.state == "committed"]
+
+    # ---- errors and draining ---------------------------------------------------------
+    def _reap(self) -> None:
+        for job in [j for j in self._jobs if j.done.is_set()]:
+            self._jobs.remove(job)
+            if job.committed:
+                self.stats.committed += 1
+            else:
+                self.stats.failed += 1
+                gen = job.request.generation
+                if job.error is not None and gen not in self._raised:
+                    self._unraised[gen] = job.error
+
+    def _raise_agreed_errors(self, generations: list[str]) -> None:
+        if not generations:
+            return
+        failures: dict[int, str] = {}
+        for gen in generations:
+            known = self._unraised.pop(gen, None)
+            if known is not None:
+                failures.update(known.failures)
+            self._raised.add(gen)
+        raise CommitError(f"generation(s) {', '.join(generations)} failed to commit",
+                          generation=generations[-1], failures=failures)
+
+    def _raise_unraised(self) -> None:
+        self._raise_agreed_errors(sorted(self._unraised))
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Drain every save in flight on this rank; raise failures not yet raised (once)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for job in list(self._jobs):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.done.wait(remaining):
+                raise CommitError(f"{job.request.generation} still in flight after {timeout_s} s",
+                                  generation=job.request.generation)
+        self._reap()
+        self._raise_unraised()
+
+    def close(self) -> None:
+        """Wait (bounded by ``close_timeout_s``) for outstanding saves, then release resources."""
+        if self._closed:
+            return
+        try:
+            self.wait(self.config.close_timeout_s)
+        finally:
+            self._closed = True
+            if self.staging is not None and not self._jobs:
+                self.staging.free()
+            self.comm.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CommitError("CheckpointManager is closed")
+
+    # ---- restore and listing ---------------------------------------------------------
+    def restore(self, *, components: Iterable[str] | None = None,
+                allow_contract_change: bool | None = None,
+                verify_digests: bool = True) -> RestoreResult:
+        """Load the newest generation that validates (all ranks); a fresh start if none."""
+        self._check_open()
+        name, manifest, rejected = select_generation(self.comm, self.backend,
+                                                     digests=verify_digests)
+        for problem in rejected:
+            log.warning("rejected generation %s", problem)
+        if name is None or manifest is None:
+            return RestoreResult(rejected=rejected)
+        allow = self.config.allow_contract_change if allow_contract_change is None \
+            else allow_contract_change
+        result = load_generation(
+            self.comm, self.backend, self.state, name, manifest,
+            self.state.components if components is None else components,
+            allow_contract_change=allow, strict_torch_version=self.config.strict_torch_version)
+        result.rejected = rejected
+        return result
+
+    def generations(self) -> list[GenerationInfo]:
+        """Every generation under the root, newest first, with its state (no digest check)."""
+        return inventory(self.backend, digests=False)
+
+    def _remove_stale_pending(self) -> None:
+        # no save of this job is in flight yet: pending directories are leftovers of a crash
+        for entry in os.listdir(self.config.root):
+            if entry.startswith(PENDING_PREFIX):
+                retention.log.info("removing stale pending directory %s", entry)
+                open_backend(self.config.root).remove_tree(entry)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,116 @@
+"""Rank 0's publication of a fully reported generation on a POSIX filesystem.
+
+Order (requirements section 2): DCP ``.metadata`` and every file already fsynced ->
+``manifest.json`` written last and fsynced -> directories fsynced -> pending directory
+renamed to its final name -> root fsynced -> the published generation validated ->
+``latest.json`` replaced atomically.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+from . import faults
+from .errors import GenerationExists, StorageError
+from .manifest import (
+    DCP_DIR,
+    FORMAT_VERSION,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    STATE_DIR,
+    FileEntry,
+    LatestPointer,
+    Manifest,
+)
+from .storage.local import (
+    LocalBackend,
+    atomic_write,
+    file_sha256,
+    fsync_dir,
+    fsync_file,
+    write_durable,
+)
+from .validate import check_sizes
+
+if TYPE_CHECKING:
+    from .coordinator import SaveRequest
+
+
+@dataclass(frozen=True)
+class PublishInfo:
+    world_size: int
+    components: list[str]
+    contract: dict[str, str]
+    contract_digest: str
+    dist_ckpt_version: str
+
+
+def publish_generation(request: SaveRequest, info: PublishInfo, entries: list[dict],
+                       results: list) -> Manifest:
+    pending = request.pending
+    metadata_entry = _write_dcp_metadata(request, results)
+    files = [FileEntry(**e) for e in entries] + [metadata_entry]
+    files.sort(key=lambda f: f.path)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION, generation=request.generation, kind="resume",
+        next_update=request.next_update, tokens_seen=request.tokens_seen,
+        world_size=info.world_size, components=info.components, contract=info.contract,
+        contract_digest=info.contract_digest, torch_version=torch.__version__,
+        dist_ckpt_version=info.dist_ckpt_version, created_unix=time.time(),
+        save_duration_s=round(time.monotonic() - request.started, 6),
+        total_bytes=sum(f.size for f in files), files=files,
+    )
+    faults.hit("commit.before_manifest", 0)
+    raw = manifest.to_bytes()
+    write_durable(os.path.join(pending, MANIFEST_NAME), raw)
+    for directory in (os.path.join(pending, DCP_DIR), os.path.join(pending, STATE_DIR), pending):
+        fsync_dir(directory)
+    faults.hit("commit.before_rename", 0)
+    final = os.path.join(request.root, request.generation)
+    if os.path.exists(final):
+        raise GenerationExists(f"{request.generation} already exists under {request.root}")
+    os.rename(pending, final)
+    fsync_dir(request.root)
+    check_sizes(LocalBackend(request.root), request.generation, manifest)
+    faults.hit("commit.before_latest", 0)
+    update_latest(request.root, manifest, raw)
+    return manifest
+
+
+def _write_dcp_metadata(request: SaveRequest, results: list) -> FileEntry:
+    dcp_dir = os.path.join(request.pending, DCP_DIR)
+    metadata = copy.copy(request.prepared.metadata)
+    writer = FileSystemWriter(dcp_dir, sync_files=True)
+    writer.finish(metadata, results)
+    path = os.path.join(dcp_dir, ".metadata")
+    # DCP fsyncs .metadata before flushing its buffer; fsync the finished file ourselves
+    fsync_file(path)
+    size, digest = file_sha256(path)
+    return FileEntry(path=f"{DCP_DIR}/.metadata", size=size, sha256=digest, rank=0)
+
+
+def update_latest(root: str, manifest: Manifest, raw: bytes) -> None:
+    """Point ``latest.json`` at ``manifest``'s generation unless it already points newer."""
+    path = os.path.join(root, LATEST_NAME)
+    try:
+        with open(path, "rb") as handle:
+            current = LatestPointer.model_validate_json(handle.read())
+        if current.next_update > manifest.next_update:
+            return
+    except FileNotFoundError:
+        pass
+    except ValueError:
+        pass  # a corrupt pointer is replaced; restore never trusts it over validation
+    pointer = LatestPointer.for_manifest(manifest, raw)
+    try:
+        atomic_write(path, pointer.model_dump_json().encode("utf-8"))
+    except OSError as exc:
+        raise StorageError(f"cannot replace {path}: {exc}") from exc
+

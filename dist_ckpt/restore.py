@@ -1,0 +1,120 @@
+"""Restore: pick the newest generation that validates, then load it into live objects.
+
+Call order (all ranks, main thread, on the checkpoint group):
+``select_generation`` -- rank 0 lists generations and checks structure and sizes, then the
+digest check is split across ranks and the verdicts all-gathered, so every rank agrees on
+the same generation and the same rejections -- then ``load_generation``: contract and torch
+version checks, DCP load with resharding (the pickled ``.metadata`` is read only after its
+digest matched), global state, and RNG last.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from . import codec, rng
+from . import contract as contract_mod
+from .comm import Comm
+from .errors import TorchVersionMismatch, ValidationError
+from .manifest import GLOBAL_STATE_FILE, Manifest, rank_state_file
+from .state import TrainState
+from .storage.base import Backend
+from .validate import Problem, check_digests, check_sizes, check_structure, list_generations
+
+
+@dataclass
+class RestoreResult:
+    """What ``CheckpointManager.restore()`` did. ``generation`` is None for a fresh start."""
+
+    next_update: int = 0
+    tokens_seen: int = 0
+    generation: str | None = None
+    rejected: list[Problem] = field(default_factory=list)
+    manifest: Manifest | None = None
+    contract_changes: dict[str, tuple] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    components: tuple[str, ...] = ()
+
+    @property
+    def fresh(self) -> bool:
+        return self.generation is None
+
+
+def select_generation(comm: Comm, backend: Backend, *, digests: bool = True
+                      ) -> tuple[str | None, Manifest | None, list[Problem]]:
+    rejected: list[Problem] = []
+    names = comm.broadcast(list_generations(backend) if comm.rank == 0 else None)
+    for name in names:
+        verdict: Manifest | Problem
+        if comm.rank == 0:
+            try:
+                verdict = check_structure(backend, name)
+                check_sizes(backend, name, verdict)
+            except ValidationError as exc:
+                verdict = Problem(name, str(exc), exc.path)
+            verdict_json = verdict.model_dump_json() if isinstance(verdict, Manifest) else verdict
+        shared = comm.broadcast(verdict_json if comm.rank == 0 else None)
+        if isinstance(shared, Problem):
+            rejected.append(shared)
+            continue
+        manifest = Manifest.from_bytes(shared.encode(), generation=name)
+        problem = None
+        if digests:
+            mine = [f.path for f in manifest.files][comm.rank :: comm.world_size]
+            try:
+                check_digests(backend, name, manifest, mine)
+            except (ValidationError, OSError) as exc:
+                problem = Problem(name, str(exc), getattr(exc, "path", None))
+        problems = [p for p in comm.all_gather(problem) if p is not None]
+        if problems:
+            rejected.append(problems[0])
+            continue
+        return name, manifest, rejected
+    return None, None, rejected
+
+
+def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
+                    manifest: Manifest, components: Iterable[str], *,
+                    allow_contract_change: bool, strict_torch_version: bool) -> RestoreResult:
+    wanted = tuple(c for c in state.components if c in set(components))
+    missing = [c for c in wanted if c not in manifest.components]
+    if missing:
+        raise ValidationError(f"{name} holds no {missing} state", generation=name)
+    result = RestoreResult(next_update=manifest.next_update, tokens_seen=manifest.tokens_seen,
+                           generation=name, manifest=manifest, components=wanted)
+    result.contract_changes = contract_mod.check(manifest.contract, state.contract,
+                                                 allow_change=allow_contract_change)
+    if manifest.torch_version != torch.__version__:
+        message = (f"{name} was saved by torch {manifest.torch_version}, this is torch "
+                   f"{torch.__version__}; DCP does not promise cross-version compatibility")
+        if strict_torch_version:
+            raise TorchVersionMismatch(message)
+        warnings.warn(message, stacklevel=3)
+        result.warnings.append(message)
+
+    template = state.tensor_state(wanted)
+    reader = FileSystemReader(os.path.join(backend.url(name), "dcp"))
+    if comm.distributed:
+        dcp.load(template, storage_reader=reader, process_group=comm.group)
+    else:
+        dcp.load(template, storage_reader=reader, no_dist=True)
+    state.load_tensor_state(template)
+
+    saved_global = codec.loads(backend.read_bytes(f"{name}/{GLOBAL_STATE_FILE}"),
+                               what=f"{name}/{GLOBAL_STATE_FILE}")
+    state.load_global_state(saved_global, wanted)
+    if "rng" in wanted:  # last: constructing and loading must not consume restored streams
+        if comm.rank < manifest.world_size:
+            saved_rank = codec.loads(backend.read_bytes(f"{name}/{rank_state_file(comm.rank)}"))
+            state.load_rank_state(saved_rank)
+        else:
+            base = codec.loads(backend.read_bytes(f"{name}/{rank_state_file(0)}"))
+            state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
+    return result

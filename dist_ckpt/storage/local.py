@@ -1,0 +1,98 @@
+"""POSIX filesystem primitives: durable writes (tmp + fsync + rename + dir fsync)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+
+from ..errors import StorageError
+
+HASH_CHUNK = 8 << 20
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` durably: unique tmp name, fsync, rename, dir fsync."""
+    directory = os.path.dirname(path)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def write_durable(path: str, data: bytes) -> None:
+    """Write a new file and fsync it (no rename: used inside a private pending directory)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def file_sha256(path: str) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+class LocalBackend:
+    """Backend over a local (or shared POSIX) directory."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    def _path(self, rel: str) -> str:
+        return os.path.join(self.root, *[p for p in rel.split("/") if p]) if rel else self.root
+
+    def url(self, rel: str) -> str:
+        return self._path(rel)
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self._path(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._path(rel)))
+        except FileNotFoundError as exc:
+            raise StorageError(f"no such directory: {self._path(rel)}") from exc
+
+    def read_bytes(self, rel: str) -> bytes:
+        with open(self._path(rel), "rb") as handle:
+            return handle.read()
+
+    def size(self, rel: str) -> int:
+        return os.path.getsize(self._path(rel))
+
+    def sha256(self, rel: str) -> str:
+        return file_sha256(self._path(rel))[1]
+
+    def remove_tree(self, rel: str) -> None:
+        shutil.rmtree(self._path(rel), ignore_errors=True)
