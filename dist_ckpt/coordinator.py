@@ -174,7 +174,8 @@ def _remove_own_files(request: SaveRequest, entries: list[dict]) -> None:
             pass
 
 
-def collect_reports(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> tuple[list[dict], dict[int, str]]:
+def collect_reports(request: SaveRequest, comm: Comm,
+                    commit_timeout_s: float) -> tuple[list[dict], dict[int, str]]:
     """Rank 0: every rank's report, or the failures (late, missing, or failed ranks)."""
     keys = [_report_key(request.generation, request.pending_name, r) for r in range(comm.world_size)]
     remaining = commit_timeout_s - (time.monotonic() - request.started)
