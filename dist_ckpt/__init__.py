@@ -14,6 +14,7 @@ from .errors import (
     UnsafeNameError,
     ValidationError,
 )
+from . import faults
 from .inventory import GenerationInfo
 from .manager import CheckpointManager
 from .restore import RestoreResult

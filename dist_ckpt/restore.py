@@ -104,7 +104,9 @@ def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
     if comm.distributed:
         dcp.load(template, storage_reader=reader, process_group=comm.group)
     else:
-        dcp.load(template, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, storage_reader=reader)
     state.load_tensor_state(template)
 
     saved_global = codec.loads(backend.read_bytes(f"{name}/{GLOBAL_STATE_FILE}"),

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up (idempotent) and run the demo: a 2-rank FSDP2 job on gloo saves and stops, then a
+# 3-rank job resumes from the newest valid generation and checks the loaded tensors.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+root=${DEMO_ROOT:-demo-run}
+rm -rf "$root"
+run() { .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node "$1" scripts/demo_train.py --root "$root" "${@:2}"; }
+echo "== phase 1: 2 ranks train 6 updates, saving every 3, then stop"
+run 2 --until 6 --save-every 3
+echo "== phase 2: 3 ranks resume and train to update 9"
+run 3 --until 9 --save-every 3
+.venv/bin/dist-ckpt ls "$root/ckpt"

@@ -1,0 +1,163 @@
+"""Single-process fault tests: corrupt shards fall back, a failed commit publishes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from dist_ckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    CommitError,
+    ContractMismatch,
+    GenerationExists,
+    NotAtOptimizerBoundary,
+    TrainState,
+    faults,
+)
+from dist_ckpt.cli import main as cli
+
+
+def make_state(contract: dict | None = None) -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    return TrainState(model, optimizer, contract=contract or {"config": "v1"})
+
+
+def step(state: TrainState) -> None:
+    state.model(torch.randn(2, 8)).sum().backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+
+
+def two_generations(root: str, **config) -> TrainState:
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=root, **config), state) as mgr:
+        for update in (1, 2):
+            step(state)
+            mgr.save(update)
+    return state
+
+
+def tree_digest(root: str) -> dict[str, str]:
+    out = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as handle:
+                out[os.path.relpath(path, root)] = hashlib.sha256(handle.read()).hexdigest()
+    return out
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip"])
+def test_corrupt_newest_shard_falls_back(tmp_path, damage: str) -> None:
+    root = str(tmp_path)
+    two_generations(root)
+    shard = os.path.join(root, "gen-000000000002", "dcp", "__0_0.distcp")
+    with open(shard, "r+b") as handle:
+        if damage == "truncate":
+            handle.truncate(os.path.getsize(shard) // 2)
+        else:
+            handle.seek(100)
+            byte = handle.read(1)
+            handle.seek(100)
+            handle.write(bytes([byte[0] ^ 0x01]))
+    fresh = make_state()
+    with CheckpointManager(CheckpointConfig(root=root), fresh) as mgr:
+        result = mgr.restore()
+    assert result.generation == "gen-000000000001"
+    assert result.next_update == 1
+    assert [(p.generation, p.path) for p in result.rejected] == [("gen-000000000002", "dcp/__0_0.distcp")]
+    assert cli(["verify", root, "gen-000000000002"]) == 1
+    assert cli(["verify", root, "gen-000000000001"]) == 0
+
+
+def test_exception_before_rename_publishes_nothing(tmp_path) -> None:
+    root = str(tmp_path)
+    state = two_generations(root)
+    before = tree_digest(root)
+    faults.configure({"commit.before_rename": {"raise": True}})
+    try:
+        with CheckpointManager(CheckpointConfig(root=root), state) as mgr:
+            step(state)
+            with pytest.raises(CommitError) as caught:
+                mgr.save(3)
+            assert caught.value.failures and 0 in caught.value.failures
+            infos = mgr.generations()
+    finally:
+        faults.configure(None)
+    assert tree_digest(root) == before, "a committed generation or the pointer changed"
+    assert [(g.name, g.state) for g in infos] == [("gen-000000000002", "committed"),
+                                                 ("gen-000000000001", "committed")]
+    assert not [n for n in os.listdir(root) if n.startswith(".pending")]
+
+
+def test_mid_accumulation_save_is_refused(tmp_path) -> None:
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), state) as mgr:
+        state.model(torch.randn(2, 8)).sum().backward()
+        with pytest.raises(NotAtOptimizerBoundary):
+            mgr.save(1)
+        assert mgr.generations() == []
+        state.require_optimizer_boundary = False
+        mgr.save(1)
+        assert [g.name for g in mgr.generations()] == ["gen-000000000001"]
+
+
+def test_generation_is_immutable(tmp_path) -> None:
+    root = str(tmp_path)
+    state = two_generations(root)
+    before = tree_digest(root)
+    with CheckpointManager(CheckpointConfig(root=root), state) as mgr, pytest.raises(GenerationExists):
+        mgr.save(2)
+    assert tree_digest(root) == before
+
+
+def test_contract_change_is_refused_unless_allowed(tmp_path) -> None:
+    root = str(tmp_path)
+    two_generations(root)
+    changed = make_state({"config": "v2"})
+    with CheckpointManager(CheckpointConfig(root=root), changed) as mgr:
+        with pytest.raises(ContractMismatch) as caught:
+            mgr.restore()
+        assert set(caught.value.fields) == {"config"}
+        result = mgr.restore(allow_contract_change=True)
+    assert result.generation == "gen-000000000002"
+    assert result.contract_changes == {"config": ("v1", "v2")}
+
+
+def test_fresh_start_and_numeric_order(tmp_path) -> None:
+    root = str(tmp_path)
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=root), state) as mgr:
+        result = mgr.restore()
+        assert (result.next_update, result.generation, result.rejected) == (0, None, [])
+        for update in (9, 100, 10):
+            step(state)
+            mgr.save(update)
+        assert [g.next_update for g in mgr.generations()] == [100, 10, 9]
+    with CheckpointManager(CheckpointConfig(root=root), make_state()) as mgr:
+        assert mgr.restore().generation == "gen-000000000100"
+
+
+def test_torch_version_mismatch_warns_or_raises(tmp_path) -> None:
+    from dist_ckpt import TorchVersionMismatch
+    from dist_ckpt.manifest import Manifest
+
+    root = str(tmp_path)
+    two_generations(root)
+    path = os.path.join(root, "gen-000000000002", "manifest.json")
+    with open(path, "rb") as handle:
+        manifest = Manifest.model_validate_json(handle.read())
+    with open(path, "wb") as handle:
+        handle.write(manifest.model_copy(update={"torch_version": "1.0.0"}).to_bytes())
+    with CheckpointManager(CheckpointConfig(root=root), make_state()) as mgr, pytest.warns(UserWarning):
+        result = mgr.restore()
+    assert result.generation == "gen-000000000002" and "torch 1.0.0" in result.warnings[0]
+    strict = CheckpointConfig(root=root, strict_torch_version=True)
+    with CheckpointManager(strict, make_state()) as mgr, pytest.raises(TorchVersionMismatch):
+        mgr.restore()
