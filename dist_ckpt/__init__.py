@@ -1,5 +1,6 @@
 """dist_ckpt: atomic, validated, asynchronous checkpoints for torchrun FSDP/DDP jobs."""
 
+from . import faults
 from .config import CheckpointConfig
 from .errors import (
     CommitError,
@@ -14,7 +15,6 @@ from .errors import (
     UnsafeNameError,
     ValidationError,
 )
-from . import faults
 from .inventory import GenerationInfo
 from .manager import CheckpointManager
 from .restore import RestoreResult
@@ -41,4 +41,5 @@ __all__ = [
     "UnsafeNameError",
     "ValidationError",
     "__version__",
+    "faults",
 ]

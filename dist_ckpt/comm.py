@@ -8,6 +8,7 @@ poison nothing when they time out.
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -28,11 +29,12 @@ class Comm:
     collective helpers are called by all ranks in the same order, from the main thread only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 1800.0) -> None:
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1 or (dist.is_available() and dist.is_initialized())
         if self.distributed:
-            self.group = dist.new_group(backend="gloo")
+            # a rank may sit in a foreground all-gather while a peer blocks on its oldest save
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             base_store = dist.distributed_c10d._get_default_store()
         else:
             self.group = None
@@ -74,12 +76,20 @@ class Comm:
         self.store.set(key, value)
 
     def store_wait(self, keys: list[str], timeout_s: float) -> list[str]:
-        """Wait until every key exists or the deadline passes; returns the keys still missing."""
-        try:
-            self.store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))
-            return []
-        except Exception:  # noqa: BLE001 - a store timeout raises a backend-specific type
-            return [k for k in keys if not self.store.check([k])]
+        """Wait until every key exists or the deadline passes; returns the keys still missing.
+
+        Polls ``check`` instead of a blocking ``wait``: a TCPStore ``wait`` that times out
+        leaves its reply pending on the client socket and desynchronises later calls.
+        """
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        pending = list(keys)
+        interval = 0.002
+        while True:
+            pending = [k for k in pending if not self.store.check([k])]
+            if not pending or time.monotonic() >= deadline:
+                return pending
+            time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
+            interval = min(interval * 2, 0.05)
 
     def store_get(self, key: str) -> bytes:
         return self.store.get(key)

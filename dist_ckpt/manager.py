@@ -55,7 +55,7 @@ class CheckpointManager:
         self.state = state
         if not config.is_local:
             raise NotImplementedError("object-store roots arrive with the fsspec backend")
-        self.comm = Comm()
+        self.comm = Comm(timeout_s=3 * config.commit_timeout_s + 600)
         if self.comm.rank == 0:
             os.makedirs(config.root, exist_ok=True)
             self._remove_stale_pending()
@@ -80,10 +80,34 @@ class CheckpointManager:
         self._check_open()
         started = time.perf_counter()
         self.stats.requested += 1
-        self._reap()
         live = self.state.tensor_state()
         fingerprint = layout_fingerprint(live)
         name = generation_name(next_update)
+        while True:
+            agreed = self._agree(name, fingerprint)
+            self._raise_agreed_errors(sorted({g for f in agreed for g in f["errors"]}))
+            if not all(f["boundary"] for f in agreed):
+                self.state.check_boundary()
+                raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
+            if agreed[0]["exists"]:
+                raise GenerationExists(f"{name} is already committed under {self.config.root}")
+            if not any(f["busy"] for f in agreed):
+                break
+            if self.config.in_flight_policy == "skip":
+                self.stats.skipped += 1
+                log.warning("skipped save of %s: %d save(s) in flight", name, len(self._jobs))
+                return None
+            # block: wait for the oldest save, then agree again (its failure raises here)
+            if self._jobs:
+                self._jobs[0].done.wait()
+        job = self._start(name, next_update, tokens_seen, live, fingerprint,
+                          all(f["cached"] for f in agreed), agreed[0]["nonce"])
+        self.stats.last_blocking_s = time.perf_counter() - started
+        return job
+
+    def _agree(self, name: str, fingerprint: str) -> list[dict]:
+        """One all-gather (all ranks): what each rank knows before a save may start."""
+        self._reap()
         facts = {
             "busy": len(self._jobs) >= self.config.max_in_flight,
             "errors": sorted(self._unraised),
@@ -93,25 +117,7 @@ class CheckpointManager:
         if self.comm.rank == 0:
             facts["exists"] = self.backend.exists(name)
             facts["nonce"] = f"{PENDING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
-        agreed = self.comm.all_gather(facts)
-        self._raise_agreed_errors(sorted({g for f in agreed for g in f["errors"]}))
-        if not all(f["boundary"] for f in agreed):
-            self.state.check_boundary()
-            raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
-        if agreed[0]["exists"]:
-            raise GenerationExists(f"{name} is already committed under {self.config.root}")
-        if any(f["busy"] for f in agreed):
-            if self.config.in_flight_policy == "skip":
-                self.stats.skipped += 1
-                log.warning("skipped save of %s: %d save(s) in flight", name, len(self._jobs))
-                return None
-            while len(self._jobs) >= self.config.max_in_flight:
-                self._jobs[0].done.wait()
-                self._reap()
-        job = self._start(name, next_update, tokens_seen, live, fingerprint,
-                          all(f["cached"] for f in agreed), agreed[0]["nonce"])
-        self.stats.last_blocking_s = time.perf_counter() - started
-        return job
+        return self.comm.all_gather(facts)
 
     def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
                fingerprint: str, all_cached: bool, nonce: str) -> SaveJob:

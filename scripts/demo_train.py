@@ -52,7 +52,8 @@ def main() -> None:
     state = TrainState(model, optimizer, sampler=sampler, numpy_generators={"noise": noise},
                        contract={"config": {"width": WIDTH, "batch": BATCH}})
     reference_path = os.path.join(args.root, "reference.pt")
-    with CheckpointManager(CheckpointConfig(root=os.path.join(args.root, "ckpt"), async_save=True), state) as mgr:
+    config = CheckpointConfig(root=os.path.join(args.root, "ckpt"), async_save=True)
+    with CheckpointManager(config, state) as mgr:
         result = mgr.restore()
         loaded = gathered(model, optimizer)
         if rank == 0:

@@ -1,0 +1,129 @@
+"""Asynchronous-save scenarios run inside spawned ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from dist_ckpt import CommitError, faults
+from tests import workers
+
+DEADLINE_S = 4.0
+
+
+def _latest(root: str) -> bytes:
+    with open(os.path.join(root, "latest.json"), "rb") as handle:
+        return handle.read()
+
+
+def _timed_save(mgr, update: int) -> float:
+    started = time.perf_counter()
+    mgr.save(update)
+    return time.perf_counter() - started
+
+
+def _expect_failure(mgr) -> tuple[str | None, dict[int, str], float]:
+    started = time.perf_counter()
+    try:
+        mgr.wait()
+    except CommitError as exc:
+        return exc.generation, exc.failures, time.perf_counter() - started
+    raise AssertionError("expected a CommitError")
+
+
+def slow_and_failing_ranks(rank: int, world: int, root: str) -> dict:
+    job = workers.build("fsdp", rank, world)
+    mgr = workers.manager(job, root, async_save=True, max_in_flight=1, commit_timeout_s=DEADLINE_S)
+    out: dict = {}
+    workers.train_step(job)
+    mgr.save(1)
+    mgr.wait()
+
+    faults.configure({"write.before": {"rank": 1, "delay_s": 1.5}})  # below the deadline
+    workers.train_step(job)
+    out["below_blocked_s"] = _timed_save(mgr, 2)
+    mgr.wait()
+    latest_before = _latest(root) if rank == 0 else b""
+
+    faults.configure({"write.before": {"rank": 1, "delay_s": DEADLINE_S + 2}})  # above it
+    workers.train_step(job)
+    out["above_blocked_s"] = _timed_save(mgr, 3)
+    out["above"] = _expect_failure(mgr)
+    if rank == 0:
+        out["latest_unchanged"] = _latest(root) == latest_before
+        out["entries_after_above"] = sorted(os.listdir(root))
+
+    faults.configure(None)
+    workers.train_step(job)
+    mgr.save(4)
+    mgr.wait()
+
+    faults.configure({"write.before": {"rank": 1, "raise": True}})  # crashed writer
+    workers.train_step(job)
+    out["crash_blocked_s"] = _timed_save(mgr, 5)
+    out["crash"] = _expect_failure(mgr)
+
+    faults.configure({"report.before": {"rank": 1, "delay_s": DEADLINE_S + 2}})  # missing report
+    workers.train_step(job)
+    out["missing_blocked_s"] = _timed_save(mgr, 6)
+    workers.train_step(job)
+    try:  # the failure surfaces at the next save() on every rank, which does not save
+        mgr.save(7)
+        out["next_save_raised"] = None
+    except CommitError as exc:
+        out["next_save_raised"] = (exc.generation, exc.failures)
+    faults.configure(None)
+    mgr.save(8)
+    mgr.wait()
+    out["committed"] = [g.name for g in mgr.generations() if g.state == "committed"]
+    out["pending"] = [g.name for g in mgr.generations() if g.state == "pending"]
+    mgr.close()
+    return out
+
+
+def _local_state_bytes(job: workers.Job) -> int:
+    total = 0
+
+    def walk(value) -> None:
+        nonlocal total
+        if hasattr(value, "to_local"):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+
+    walk(job.state.tensor_state())
+    return total
+
+
+def in_flight_bound(rank: int, world: int, root: str) -> dict:
+    out: dict = {}
+    faults.configure({"write.before": {"delay_s": 1.5}})  # a slow writer on every rank
+    for policy, slots in (("block", 1), ("skip", 1), ("block", 2)):
+        job = workers.build("fsdp", rank, world)
+        sub = os.path.join(root, f"{policy}{slots}")
+        mgr = workers.manager(job, sub, async_save=True, max_in_flight=slots, in_flight_policy=policy)
+        workers.train_step(job)
+        first = _timed_save(mgr, 1)
+        workers.train_step(job)
+        started = time.perf_counter()
+        second = mgr.save(2)
+        out[(policy, slots)] = {
+            "first_s": first, "second_s": time.perf_counter() - started,
+            "second_skipped": second is None, "skipped": mgr.stats.skipped,
+            "peak": mgr.staging.peak_bytes, "allocations": mgr.staging.allocations,
+            "state_bytes": _local_state_bytes(job),
+        }
+        mgr.wait()
+        out[(policy, slots)]["committed"] = sorted(
+            g.name for g in mgr.generations() if g.state == "committed")
+        mgr.close()
+    faults.configure(None)
+    return out
