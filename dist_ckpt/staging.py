@@ -23,6 +23,7 @@ class StagingSlot:
         self.pool = pool
         self.index = index
         self.buffers: dict[str, torch.Tensor] = {}
+        self._wrappers: dict[str, tuple[tuple, DTensor]] = {}
         self.in_use = False
 
     @property
@@ -35,6 +36,7 @@ class StagingSlot:
         staged = self._stage(state, "", seen)
         for stale in set(self.buffers) - seen:
             self.pool._account(-self._bytes(self.buffers.pop(stale)))
+            self._wrappers.pop(stale, None)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         return staged
@@ -42,8 +44,15 @@ class StagingSlot:
     def _stage(self, value: Any, path: str, seen: set[str]) -> Any:
         if isinstance(value, DTensor):
             local = self._copy(value.to_local(), path, seen)
-            return DTensor.from_local(local, value.device_mesh, value.placements,
-                                      run_check=False, shape=value.shape, stride=value.stride())
+            # the wrapper only describes the buffer; reuse it while buffer and spec are the same
+            key = (id(local), value.device_mesh, tuple(value.placements), value.shape, value.stride())
+            cached = self._wrappers.get(path)
+            if cached is None or cached[0] != key:
+                wrapper = DTensor.from_local(local, value.device_mesh, value.placements,
+                                             run_check=False, shape=value.shape, stride=value.stride())
+                cached = (key, wrapper)
+                self._wrappers[path] = cached
+            return cached[1]
         if isinstance(value, torch.Tensor):
             return self._copy(value, path, seen)
         if isinstance(value, dict):
@@ -109,3 +118,4 @@ class StagingPool:
         for slot in self._slots:
             self._account(-slot.nbytes)
             slot.buffers.clear()
+            slot._wrappers.clear()

@@ -1,0 +1,110 @@
+"""Shared pieces of the benchmark scripts (not part of the library or the tests)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MiB = 1 << 20
+
+
+class Wide(torch.nn.Module):
+    """A stack of square linear layers sized so that model + AdamW state is ``state_mib``
+    per rank when sharded over ``world`` ranks with FSDP2."""
+
+    def __init__(self, state_mib: int, world: int, layers: int = 8) -> None:
+        super().__init__()
+        params_total = state_mib * MiB * world // (3 * 4)  # fp32 params + exp_avg + exp_avg_sq
+        width = int((params_total / layers) ** 0.5)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+        self.width = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def build_job(state_mib: int, rank: int, world: int, kind: str = "fsdp"):
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_ckpt import ResumableSampler, TrainState
+
+    torch.manual_seed(0)
+    model = Wide(state_mib, world)
+    if kind == "fsdp":
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sampler = ResumableSampler(10_000, 2, rank=rank, world_size=world)
+    train_step(model, optimizer)
+    return model, optimizer, TrainState(model, optimizer, sampler=sampler)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    x = torch.randn(2, model.width if hasattr(model, "width") else model.module.width)
+    model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def local_tensors(state: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if hasattr(value, "to_local"):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    return out
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def machine() -> str:
+    cpu = "unknown cpu"
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, "
+            f"python {platform.python_version()}, torch {torch.__version__}")
+
+
+def copy_floor(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> float:
+    """Time of a plain copy of ``tensors`` into preallocated ``buffers`` (the staging floor)."""
+    started = time.perf_counter()
+    for source, target in zip(tensors, buffers, strict=True):
+        target.copy_(source)
+    return time.perf_counter() - started
