@@ -42,10 +42,10 @@ def open_root(root: str) -> Backend:
     """Open ``root`` and check it is a readable directory."""
     try:
         backend = open_backend(root)
-    except NotImplementedError as exc:
-        raise UsageError(f"unsupported checkpoint root {root!r}: only local directories are "
-                         f"supported for now ({exc})") from exc
-    if not backend.exists(""):
+        found = backend.exists("")
+    except (StorageError, OSError, ValueError) as exc:
+        raise UsageError(f"cannot open checkpoint root {root!r}: {exc}") from exc
+    if not found:
         raise UsageError(f"checkpoint root {root!r} does not exist")
     try:
         backend.listdir("")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -29,6 +29,8 @@ class CheckpointConfig(BaseModel):
     close_timeout_s: float = Field(default=600.0, gt=0)
     io_threads: int = Field(default=1, ge=1, le=32)
     keep_last: int | None = Field(default=None, ge=1)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    cache_dir: str | None = None  # local scratch for object-store roots (default: a temp dir)
     strict_torch_version: bool = False
     allow_contract_change: bool = False
 

@@ -37,7 +37,9 @@ from .errors import CommitError, GenerationExists
 from .manifest import DCP_DIR, GLOBAL_STATE_FILE, STATE_DIR, rank_state_file
 from .planning import PreparedSave
 from .publish import PublishInfo, publish_generation
+from .remote import upload_files
 from .storage.local import file_sha256, fsync_dir, write_durable
+from .storage.objectstore import ObjectStoreBackend
 
 
 @dataclass
@@ -51,7 +53,13 @@ class SaveRequest:
     rank_state: bytes
     global_state: bytes | None  # rank 0 only
     info: PublishInfo | None  # rank 0 only
+    remote: ObjectStoreBackend | None = None  # set when the root is an object store
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def data_dir(self) -> str:
+        """Object-store attempt directory inside the generation ("" on a filesystem)."""
+        return f"attempt-{self.pending_name.rsplit('-', 1)[-1]}" if self.remote is not None else ""
 
     @property
     def pending(self) -> str:
@@ -121,6 +129,9 @@ def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float)
             if comm.rank != 0 and comm.store.check([_outcome_key(request.generation, nonce)]):
                 raise CommitError("generation already failed before this rank wrote")
             entries, results = write_rank_files(request, comm.rank, io_threads)
+            if request.remote is not None:
+                upload_files(request.remote, request.pending, request.generation, request.data_dir,
+                             entries)
             report.update(files=entries, results=base64.b64encode(results).decode("ascii"))
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, surfaced as CommitError
             report["error"] = f"{type(exc).__name__}: {exc}"
@@ -133,7 +144,7 @@ def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float)
             comm.store_set(_outcome_key(request.generation, nonce), json.dumps(outcome).encode())
         else:
             outcome = _await_outcome(request, comm, commit_timeout_s)
-            if not outcome["ok"]:
+            if not outcome["ok"] or request.remote is not None:
                 _remove_own_files(request, report.get("files", []))
         if outcome["ok"]:
             job.committed = True
@@ -213,7 +224,20 @@ def commit(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> dict:
         except Exception as exc:  # noqa: BLE001 - any publish failure fails the generation
             traceback.print_exc()
             failures[0] = f"{type(exc).__name__}: {exc}"
+    if request.remote is not None:
+        shutil.rmtree(request.pending, ignore_errors=True)  # local scratch of an upload
     if failures:
         shutil.rmtree(request.pending, ignore_errors=True)
+        if request.remote is not None:
+            _forget_attempt(request)
         return {"ok": False, "failures": {str(r): m for r, m in failures.items()}}
     return {"ok": True, "failures": {}}
+
+
+def _forget_attempt(request: SaveRequest) -> None:
+    # best effort: the pruner removes whatever a crashed uploader leaves behind
+    try:
+        assert request.remote is not None
+        request.remote.remove_tree(f"{request.generation}/{request.data_dir}")
+    except Exception:  # noqa: BLE001 - cleanup must not mask the commit failure
+        traceback.print_exc()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -25,13 +26,14 @@ from .config import CheckpointConfig
 from .coordinator import SaveJob, SaveRequest, run_save
 from .errors import CommitError, GenerationExists, NotAtOptimizerBoundary
 from .inventory import GenerationInfo, inventory
-from .manifest import PENDING_PREFIX, generation_name
+from .manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
 from .planning import SavePlanCache, layout_fingerprint
 from .publish import PublishInfo
 from .restore import RestoreResult, load_generation, select_generation
 from .staging import StagingPool
 from .state import TrainState
 from .storage import open_backend
+from .storage.objectstore import ObjectStoreBackend
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -53,14 +55,20 @@ class CheckpointManager:
     def __init__(self, config: CheckpointConfig, state: TrainState) -> None:
         self.config = config
         self.state = state
-        if not config.is_local:
-            raise NotImplementedError("object-store roots arrive with the fsspec backend")
         self.comm = Comm(timeout_s=3 * config.commit_timeout_s + 600)
+        self.remote = None
+        if config.is_local:
+            self.write_root = config.root
+        else:
+            self.remote = ObjectStoreBackend(config.root, config.storage_options)
+            self.write_root = config.cache_dir or os.path.join(
+                tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}")
         if self.comm.rank == 0:
-            os.makedirs(config.root, exist_ok=True)
+            os.makedirs(self.write_root, exist_ok=True)
             self._remove_stale_pending()
         self.comm.all_gather(None)  # nobody lists the root before rank 0 created it
-        self.backend = open_backend(config.root)
+        os.makedirs(self.write_root, exist_ok=True)  # node-local scratch on other nodes
+        self.backend = self.remote if self.remote is not None else open_backend(config.root)
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
         self.plans = SavePlanCache(self.comm)
         self.stats = SaveStats()
@@ -115,7 +123,7 @@ class CheckpointManager:
             "cached": fingerprint == self.plans.fingerprint,
         }
         if self.comm.rank == 0:
-            facts["exists"] = self.backend.exists(name)
+            facts["exists"] = self.backend.exists(f"{name}/{MANIFEST_NAME}")
             facts["nonce"] = f"{PENDING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         return self.comm.all_gather(facts)
 
@@ -136,7 +144,7 @@ class CheckpointManager:
         is_root = self.comm.rank == 0
         request = SaveRequest(
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
-            root=self.config.root, pending_name=nonce, prepared=prepared,
+            root=self.write_root, pending_name=nonce, prepared=prepared, remote=self.remote,
             rank_state=codec.dumps(state.rank_state()),
             global_state=codec.dumps(state.global_state()) if is_root else None,
             info=PublishInfo(world_size=self.comm.world_size, components=list(state.components),
@@ -251,10 +259,10 @@ class CheckpointManager:
 
     def _remove_stale_pending(self) -> None:
         # no save of this job is in flight yet: pending directories are leftovers of a crash
-        for entry in os.listdir(self.config.root):
+        for entry in os.listdir(self.write_root):
             if entry.startswith(PENDING_PREFIX):
                 retention.log.info("removing stale pending directory %s", entry)
-                open_backend(self.config.root).remove_tree(entry)
+                open_backend(self.write_root).remove_tree(entry)
 
     def __enter__(self) -> CheckpointManager:
         return self

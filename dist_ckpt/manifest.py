@@ -92,7 +92,14 @@ class Manifest(BaseModel):
     created_unix: float
     save_duration_s: float
     total_bytes: int = Field(ge=0)
+    # object stores have no rename: each save attempt writes below its own data directory
+    # so two writers of one generation never mix objects; "" on a POSIX filesystem
+    data_dir: str = ""
     files: list[FileEntry]
+
+    def location(self, path: str) -> str:
+        """Where a listed file lives, relative to the generation directory."""
+        return f"{self.data_dir}/{path}" if self.data_dir else path
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json(indent=1).encode("utf-8")
@@ -119,6 +126,8 @@ class Manifest(BaseModel):
                                   generation=generation, path=MANIFEST_NAME)
         for entry in manifest.files:
             check_relative_path(entry.path)
+        if manifest.data_dir:
+            check_relative_path(manifest.data_dir)
         return manifest
 
     def file(self, path: str) -> FileEntry | None:

@@ -29,6 +29,7 @@ from .manifest import (
     LatestPointer,
     Manifest,
 )
+from .remote import commit_manifest, upload_files
 from .storage.local import (
     LocalBackend,
     atomic_write,
@@ -65,9 +66,15 @@ def publish_generation(request: SaveRequest, info: PublishInfo, entries: list[di
         contract_digest=info.contract_digest, torch_version=torch.__version__,
         dist_ckpt_version=info.dist_ckpt_version, created_unix=time.time(),
         save_duration_s=round(time.monotonic() - request.started, 6),
-        total_bytes=sum(f.size for f in files), files=files,
+        total_bytes=sum(f.size for f in files), files=files, data_dir=request.data_dir,
     )
     faults.hit("commit.before_manifest", 0)
+    if request.remote is not None:
+        upload_files(request.remote, pending, request.generation, request.data_dir,
+                     [metadata_entry.model_dump()])
+        faults.hit("commit.before_rename", 0)
+        commit_manifest(request.remote, manifest)
+        return manifest
     raw = manifest.to_bytes()
     write_durable(os.path.join(pending, MANIFEST_NAME), raw)
     for directory in (os.path.join(pending, DCP_DIR), os.path.join(pending, STATE_DIR), pending):

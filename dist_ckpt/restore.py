@@ -10,14 +10,12 @@ digest matched), global state, and RNG last.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from . import codec, rng
 from . import contract as contract_mod
@@ -100,7 +98,7 @@ def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
         result.warnings.append(message)
 
     template = state.tensor_state(wanted)
-    reader = FileSystemReader(os.path.join(backend.url(name), "dcp"))
+    reader = backend.dcp_reader(f"{name}/{manifest.location('dcp')}")
     if comm.distributed:
         dcp.load(template, storage_reader=reader, process_group=comm.group)
     else:
@@ -109,14 +107,15 @@ def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
             dcp.load(template, storage_reader=reader)
     state.load_tensor_state(template)
 
-    saved_global = codec.loads(backend.read_bytes(f"{name}/{GLOBAL_STATE_FILE}"),
+    saved_global = codec.loads(backend.read_bytes(f"{name}/{manifest.location(GLOBAL_STATE_FILE)}"),
                                what=f"{name}/{GLOBAL_STATE_FILE}")
     state.load_global_state(saved_global, wanted)
     if "rng" in wanted:  # last: constructing and loading must not consume restored streams
         if comm.rank < manifest.world_size:
-            saved_rank = codec.loads(backend.read_bytes(f"{name}/{rank_state_file(comm.rank)}"))
+            rank_file = manifest.location(rank_state_file(comm.rank))
+            saved_rank = codec.loads(backend.read_bytes(f"{name}/{rank_file}"))
             state.load_rank_state(saved_rank)
         else:
-            base = codec.loads(backend.read_bytes(f"{name}/{rank_state_file(0)}"))
+            base = codec.loads(backend.read_bytes(f"{name}/{manifest.location(rank_state_file(0))}"))
             state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
     return result

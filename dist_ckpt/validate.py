@@ -72,7 +72,7 @@ def check_structure(backend: Backend, generation: str) -> Manifest:
 
 def check_sizes(backend: Backend, generation: str, manifest: Manifest) -> None:
     for entry in manifest.files:
-        rel = f"{generation}/{entry.path}"
+        rel = f"{generation}/{manifest.location(entry.path)}"
         try:
             size = backend.size(rel)
         except (FileNotFoundError, StorageError) as exc:
@@ -90,7 +90,7 @@ def check_digests(backend: Backend, generation: str, manifest: Manifest,
     for entry in manifest.files:
         if wanted is not None and entry.path not in wanted:
             continue
-        digest = backend.sha256(f"{generation}/{entry.path}")
+        digest = backend.sha256(f"{generation}/{manifest.location(entry.path)}")
         if digest != entry.sha256:
             raise ValidationError(f"{generation}: file {entry.path} has sha256 {digest[:12]}..., "
                                   f"manifest says {entry.sha256[:12]}...",

@@ -108,3 +108,22 @@ def copy_floor(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> floa
     for source, target in zip(tensors, buffers, strict=True):
         target.copy_(source)
     return time.perf_counter() - started
+
+
+def build_job_sized(state_mib: int, rank: int, world: int, size_world: int, kind: str = "fsdp"):
+    """Like :func:`build_job` on ``world`` ranks, but with the model that ``build_job`` builds for
+    ``size_world`` ranks (same global model: for restoring a generation at another world size)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_ckpt import ResumableSampler, TrainState
+
+    torch.manual_seed(0)
+    model = Wide(state_mib, size_world)
+    if kind == "fsdp":
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sampler = ResumableSampler(10_000, 2, rank=rank, world_size=world)
+    train_step(model, optimizer)
+    return model, optimizer, TrainState(model, optimizer, sampler=sampler)

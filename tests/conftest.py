@@ -1,3 +1,20 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    from tests.s3 import moto_endpoint
+
+    with moto_endpoint() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_root(s3_endpoint) -> str:
+    from tests.s3 import new_bucket
+
+    return f"s3://{new_bucket()}/run"

@@ -179,9 +179,9 @@ def test_unknown_generation(root: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert code == 2 and "no generation" in err
 
 
-def test_object_storage_root_unsupported(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "verify", "s3://bucket/run")
-    assert code == 2 and err.startswith("dist-ckpt: error:") and "s3://bucket/run" in err
+def test_missing_object_store_root(s3_endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "verify", "s3://no-such-bucket-here/run")
+    assert code == 2 and err.startswith("dist-ckpt: error:") and "s3://no-such-bucket-here/run" in err
 
 
 def test_empty_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

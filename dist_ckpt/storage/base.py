@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
+
+from torch.distributed.checkpoint import StorageReader
 
 
 class Backend(Protocol):
@@ -25,10 +27,19 @@ class Backend(Protocol):
 
     def remove_tree(self, rel: str) -> None: ...
 
+    def dcp_reader(self, rel: str) -> StorageReader: ...
 
-def open_backend(root: str) -> Backend:
+
+def is_remote(root: str) -> bool:
+    return "://" in root and not root.startswith("file://")
+
+
+def open_backend(root: str, storage_options: dict[str, Any] | None = None) -> Backend:
+    """A local backend for paths and ``file://``; an fsspec object-store backend otherwise."""
+    if is_remote(root):
+        from .objectstore import ObjectStoreBackend
+
+        return ObjectStoreBackend(root, storage_options)
     from .local import LocalBackend
 
-    if "://" in root and not root.startswith("file://"):
-        raise NotImplementedError(f"no backend for {root!r} yet (object storage is issue 4)")
     return LocalBackend(root.removeprefix("file://"))

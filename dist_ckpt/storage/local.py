@@ -7,6 +7,8 @@ import os
 import shutil
 import uuid
 
+from torch.distributed.checkpoint import FileSystemReader, StorageReader
+
 from ..errors import StorageError
 
 HASH_CHUNK = 8 << 20
@@ -96,3 +98,6 @@ class LocalBackend:
 
     def remove_tree(self, rel: str) -> None:
         shutil.rmtree(self._path(rel), ignore_errors=True)
+
+    def dcp_reader(self, rel: str) -> StorageReader:
+        return FileSystemReader(self._path(rel))

@@ -1,0 +1,69 @@
+"""Object-store side of a generation: verified uploads, manifest-last conditional commit.
+
+Protocol for generation ``G`` on a store (no rename exists):
+1. every rank uploads its own files below ``G/<data_dir>/`` (a directory unique to this save
+   attempt, so two writers of ``G`` never mix objects) and verifies each object: size from the
+   store, sha256 of the bytes read back, both against what the client computed locally;
+2. rank 0, after every rank reported, creates ``G/manifest.json`` with a conditional create
+   (exactly one writer wins), re-checks the listed objects' sizes, then replaces ``latest.json``.
+Readers trust only generations whose manifest exists and whose objects verify; objects of
+failed attempts are orphans that only the pruner removes.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from .errors import StorageError
+from .manifest import LATEST_NAME, MANIFEST_NAME, LatestPointer, Manifest
+from .storage.objectstore import ObjectStoreBackend
+from .validate import check_sizes, check_structure
+
+
+def upload_files(backend: ObjectStoreBackend, local_base: str, generation: str, data_dir: str,
+                 entries: list[dict], *, verify_digest: bool = True, concurrency: int = 4) -> None:
+    """Upload and verify this rank's files (all ranks call this for their own entries)."""
+
+    def one(entry: dict) -> None:
+        rel = f"{generation}/{data_dir}/{entry['path']}" if data_dir else f"{generation}/{entry['path']}"
+        backend.put_file(os.path.join(local_base, entry["path"]), rel)
+        size = backend.size(rel)
+        if size != entry["size"]:
+            raise StorageError(f"uploaded {rel} has {size} bytes, expected {entry['size']}")
+        if verify_digest and backend.sha256(rel) != entry["sha256"]:
+            raise StorageError(f"uploaded {rel} does not match its sha256")
+
+    if not entries:
+        return
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(entries)))) as pool:
+        list(pool.map(one, entries))
+
+
+def commit_manifest(backend: ObjectStoreBackend, manifest: Manifest) -> bytes:
+    """Rank 0: conditional create of the manifest, validation, then the latest pointer."""
+    raw = manifest.to_bytes()
+    backend.create_exclusive(f"{manifest.generation}/{MANIFEST_NAME}", raw)
+    check_structure(backend, manifest.generation)
+    check_sizes(backend, manifest.generation, manifest)
+    update_remote_latest(backend, manifest, raw)
+    return raw
+
+
+def update_remote_latest(backend: ObjectStoreBackend, manifest: Manifest, raw: bytes) -> None:
+    try:
+        current = LatestPointer.model_validate_json(backend.read_bytes(LATEST_NAME))
+        if current.next_update > manifest.next_update:
+            return
+    except FileNotFoundError:
+        pass
+    except ValueError:
+        pass  # a corrupt pointer is replaced; restore never trusts it over validation
+    backend.put_bytes(LATEST_NAME, LatestPointer.for_manifest(manifest, raw).model_dump_json().encode())
+
+
+def read_remote_latest(backend: ObjectStoreBackend) -> LatestPointer | None:
+    try:
+        return LatestPointer.model_validate_json(backend.read_bytes(LATEST_NAME))
+    except (FileNotFoundError, ValueError):
+        return None
