@@ -8,6 +8,7 @@ poison nothing when they time out.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from datetime import timedelta
@@ -42,6 +43,26 @@ class Comm:
         session = self.broadcast(uuid.uuid4().hex[:12])
         self.session = session
         self.store = dist.PrefixStore(f"dist_ckpt/{session}/", base_store)
+        self.fs_leader = 0
+        self.root_group_has_rank0 = True
+
+    def probe_shared_root(self, root: str) -> None:
+        """Find which ranks see the same ``root`` (all ranks, collective).
+
+        Each rank drops a marker file; after a barrier every rank lists the markers it sees.
+        Ranks sharing a filesystem form a group led by its lowest rank: the leader publishes
+        that group's copy of each generation. Sets ``fs_leader`` and ``root_group_has_rank0``.
+        """
+        marker = os.path.join(root, f".probe-{self.session}-{self.rank}")
+        with open(marker, "wb"):
+            pass
+        self.all_gather(None)
+        prefix = f".probe-{self.session}-"
+        visible = sorted(int(n[len(prefix):]) for n in os.listdir(root) if n.startswith(prefix))
+        self.fs_leader = visible[0]
+        self.root_group_has_rank0 = 0 in visible
+        self.all_gather(None)
+        os.unlink(marker)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:

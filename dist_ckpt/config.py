@@ -31,6 +31,10 @@ class CheckpointConfig(BaseModel):
     keep_last: int | None = Field(default=None, ge=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
     cache_dir: str | None = None  # local scratch for object-store roots (default: a temp dir)
+    mirror: str | None = None  # object-store URL that committed local generations replicate to
+    mirror_queue: int = Field(default=2, ge=1, le=64)  # generations waiting; older ones skipped
+    mirror_concurrency: int = Field(default=4, ge=1, le=64)  # parallel object uploads per rank
+    mirror_timeout_s: float = Field(default=1800.0, gt=0)
     strict_torch_version: bool = False
     allow_contract_change: bool = False
 
@@ -59,6 +63,8 @@ class CheckpointConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_retention(self) -> CheckpointConfig:
+        if self.mirror is not None and (not self.is_local or "://" not in self.mirror):
+            raise ValueError("mirror needs a local root and an object-store URL (s3://...)")
         if self.async_save and self.keep_last is not None and self.keep_last < 2:
             raise ValueError(
                 "keep_last must be >= 2 with async_save: the newest generation may still be in flight"

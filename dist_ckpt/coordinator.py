@@ -36,7 +36,7 @@ from .comm import Comm
 from .errors import CommitError, GenerationExists
 from .manifest import DCP_DIR, GLOBAL_STATE_FILE, STATE_DIR, rank_state_file
 from .planning import PreparedSave
-from .publish import PublishInfo, publish_generation
+from .publish import PublishInfo, publish_generation, publish_node_copy
 from .remote import upload_files
 from .storage.local import file_sha256, fsync_dir, write_durable
 from .storage.objectstore import ObjectStoreBackend
@@ -75,6 +75,7 @@ class SaveJob:
     thread: threading.Thread | None = None
     committed: bool = False
     duration_s: float = 0.0
+    manifest_raw: bytes | None = None
 
 
 def _report_key(generation: str, nonce: str, rank: int) -> str:
@@ -147,6 +148,9 @@ def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float)
             if not outcome["ok"] or request.remote is not None:
                 _remove_own_files(request, report.get("files", []))
         if outcome["ok"]:
+            job.manifest_raw = outcome["manifest"].encode("utf-8")
+            if request.remote is None and not comm.root_group_has_rank0:
+                _publish_node_copy(request, comm, job.manifest_raw, commit_timeout_s)
             job.committed = True
         else:
             failures = {int(r): m for r, m in outcome["failures"].items()}
@@ -170,6 +174,23 @@ def _await_outcome(request: SaveRequest, comm: Comm, commit_timeout_s: float) ->
     if comm.store_wait([key], remaining):
         return {"ok": False, "failures": {"0": "rank 0 published no outcome before the deadline"}}
     return json.loads(comm.store_get(key))
+
+
+def _published_key(request: SaveRequest, leader: int) -> str:
+    return f"{request.generation}/{request.pending_name}/published/{leader}"
+
+
+def _publish_node_copy(request: SaveRequest, comm: Comm, manifest_raw: bytes,
+                       commit_timeout_s: float) -> None:
+    """Node-local disks: the leader of a group without rank 0 publishes its node's copy
+    (manifest, fsync, rename, root fsync); the group's other ranks wait for it."""
+    key = _published_key(request, comm.fs_leader)
+    if comm.rank == comm.fs_leader:
+        publish_node_copy(request, manifest_raw)
+        comm.store_set(key, b"1")
+    elif comm.store_wait([key], commit_timeout_s):
+        raise CommitError(f"rank {comm.fs_leader} did not publish this node's copy of "
+                          f"{request.generation}", generation=request.generation)
 
 
 def _remove_own_files(request: SaveRequest, entries: list[dict]) -> None:
@@ -218,7 +239,7 @@ def commit(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> dict:
             results = [pickle.loads(base64.b64decode(r["results"])) for r in reports]
             entries = [entry for r in reports for entry in r["files"]]
             assert request.info is not None and request.prepared.metadata is not None
-            publish_generation(request, request.info, entries, results)
+            manifest = publish_generation(request, request.info, entries, results)
         except GenerationExists as exc:
             failures[0] = f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # noqa: BLE001 - any publish failure fails the generation
@@ -231,7 +252,7 @@ def commit(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> dict:
         if request.remote is not None:
             _forget_attempt(request)
         return {"ok": False, "failures": {str(r): m for r, m in failures.items()}}
-    return {"ok": True, "failures": {}}
+    return {"ok": True, "failures": {}, "manifest": manifest.to_bytes().decode("utf-8")}
 
 
 def _forget_attempt(request: SaveRequest) -> None:

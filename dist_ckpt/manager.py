@@ -27,6 +27,7 @@ from .coordinator import SaveJob, SaveRequest, run_save
 from .errors import CommitError, GenerationExists, NotAtOptimizerBoundary
 from .inventory import GenerationInfo, inventory
 from .manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
+from .mirror import MirrorUploader
 from .planning import SavePlanCache, layout_fingerprint
 from .publish import PublishInfo
 from .restore import RestoreResult, load_generation, select_generation
@@ -63,12 +64,20 @@ class CheckpointManager:
             self.remote = ObjectStoreBackend(config.root, config.storage_options)
             self.write_root = config.cache_dir or os.path.join(
                 tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}")
-        if self.comm.rank == 0:
-            os.makedirs(self.write_root, exist_ok=True)
+        os.makedirs(self.write_root, exist_ok=True)
+        if self.comm.distributed:
+            self.comm.probe_shared_root(self.write_root)
+        if self.comm.rank == self.comm.fs_leader:
             self._remove_stale_pending()
-        self.comm.all_gather(None)  # nobody lists the root before rank 0 created it
-        os.makedirs(self.write_root, exist_ok=True)  # node-local scratch on other nodes
+        self.comm.all_gather(None)  # nobody writes before stale pending directories are gone
         self.backend = self.remote if self.remote is not None else open_backend(config.root)
+        self.mirror = None
+        self.uploader: MirrorUploader | None = None
+        if config.mirror is not None:
+            self.mirror = ObjectStoreBackend(config.mirror, config.storage_options)
+            self.uploader = MirrorUploader(
+                self.comm, self.write_root, self.mirror, queue_length=config.mirror_queue,
+                concurrency=config.mirror_concurrency, timeout_s=config.mirror_timeout_s)
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
         self.plans = SavePlanCache(self.comm)
         self.stats = SaveStats()
@@ -156,9 +165,14 @@ class CheckpointManager:
         def on_done(finished: SaveJob) -> None:
             if slot is not None:
                 self.staging.release(slot)  # type: ignore[union-attr]
-            if finished.committed and is_root and self.config.keep_last:
+            if not finished.committed:
+                return
+            if is_root and self.uploader is not None and finished.manifest_raw is not None:
+                self.uploader.enqueue(name, finished.manifest_raw)
+            if self.comm.rank == self.comm.fs_leader and self.config.keep_last:
+                pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
                 retention.prune(self.backend, self._committed_names(),
-                                keep_last=self.config.keep_last)
+                                keep_last=self.config.keep_last, pinned=pinned)
 
         job = SaveJob(request, on_done=on_done)
         self.stats.started += 1
@@ -222,7 +236,12 @@ class CheckpointManager:
             return
         try:
             self.wait(self.config.close_timeout_s)
+            if self.uploader is not None and self.comm.rank == 0 and not self.uploader.drain(
+                    self.config.close_timeout_s):
+                log.error("mirror uploads still pending at close; they are not durable remotely")
         finally:
+            if self.uploader is not None:
+                self.uploader.close(self.config.close_timeout_s)
             self._closed = True
             if self.staging is not None and not self._jobs:
                 self.staging.free()
@@ -238,8 +257,8 @@ class CheckpointManager:
                 verify_digests: bool = True) -> RestoreResult:
         """Load the newest generation that validates (all ranks); a fresh start if none."""
         self._check_open()
-        name, manifest, rejected = select_generation(self.comm, self.backend,
-                                                     digests=verify_digests)
+        tiers = [self.backend] + ([self.mirror] if self.mirror is not None else [])
+        name, manifest, backend, rejected = select_generation(self.comm, tiers, digests=verify_digests)
         for problem in rejected:
             log.warning("rejected generation %s", problem)
         if name is None or manifest is None:
@@ -247,7 +266,7 @@ class CheckpointManager:
         allow = self.config.allow_contract_change if allow_contract_change is None \
             else allow_contract_change
         result = load_generation(
-            self.comm, self.backend, self.state, name, manifest,
+            self.comm, backend, self.state, name, manifest,
             self.state.components if components is None else components,
             allow_contract_change=allow, strict_torch_version=self.config.strict_torch_version)
         result.rejected = rejected

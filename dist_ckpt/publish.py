@@ -76,19 +76,37 @@ def publish_generation(request: SaveRequest, info: PublishInfo, entries: list[di
         commit_manifest(request.remote, manifest)
         return manifest
     raw = manifest.to_bytes()
-    write_durable(os.path.join(pending, MANIFEST_NAME), raw)
+    _rename_into_place(request, raw)
+    check_sizes(LocalBackend(request.root), request.generation, manifest)
+    faults.hit("commit.before_latest", 0)
+    update_latest(request.root, manifest, raw)
+    return manifest
+
+
+def _rename_into_place(request: SaveRequest, manifest_raw: bytes) -> None:
+    pending = request.pending
+    write_durable(os.path.join(pending, MANIFEST_NAME), manifest_raw)
     for directory in (os.path.join(pending, DCP_DIR), os.path.join(pending, STATE_DIR), pending):
-        fsync_dir(directory)
+        if os.path.isdir(directory):
+            fsync_dir(directory)
     faults.hit("commit.before_rename", 0)
     final = os.path.join(request.root, request.generation)
     if os.path.exists(final):
         raise GenerationExists(f"{request.generation} already exists under {request.root}")
     os.rename(pending, final)
     fsync_dir(request.root)
-    check_sizes(LocalBackend(request.root), request.generation, manifest)
-    faults.hit("commit.before_latest", 0)
-    update_latest(request.root, manifest, raw)
-    return manifest
+
+
+def publish_node_copy(request: SaveRequest, manifest_raw: bytes) -> None:
+    """Publish this node's part of a generation that rank 0 committed (node-local disks).
+
+    The copy holds the manifest and this node's files only; restore treats a copy that lacks
+    listed files as incomplete and reads the generation from the mirror.
+    """
+    os.makedirs(request.pending, exist_ok=True)
+    _rename_into_place(request, manifest_raw)
+    manifest = Manifest.model_validate_json(manifest_raw)
+    update_latest(request.root, manifest, manifest_raw)
 
 
 def _write_dcp_metadata(request: SaveRequest, results: list) -> FileEntry:

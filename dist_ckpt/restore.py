@@ -20,8 +20,8 @@ import torch.distributed.checkpoint as dcp
 from . import codec, rng
 from . import contract as contract_mod
 from .comm import Comm
-from .errors import TorchVersionMismatch, ValidationError
-from .manifest import GLOBAL_STATE_FILE, Manifest, rank_state_file
+from .errors import StorageError, TorchVersionMismatch, ValidationError
+from .manifest import GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
 from .state import TrainState
 from .storage.base import Backend
 from .validate import Problem, check_digests, check_sizes, check_structure, list_generations
@@ -45,37 +45,57 @@ class RestoreResult:
         return self.generation is None
 
 
-def select_generation(comm: Comm, backend: Backend, *, digests: bool = True
-                      ) -> tuple[str | None, Manifest | None, list[Problem]]:
+def select_generation(comm: Comm, tiers: list[Backend], *, digests: bool = True
+                      ) -> tuple[str | None, Manifest | None, Backend | None, list[Problem]]:
+    """The newest generation that validates in any tier (local first, then the mirror)."""
     rejected: list[Problem] = []
-    names = comm.broadcast(list_generations(backend) if comm.rank == 0 else None)
+    listings = comm.broadcast([_listing(b) for b in tiers] if comm.rank == 0 else None)
+    names = sorted(set().union(*listings), key=parse_generation, reverse=True)
     for name in names:
-        verdict: Manifest | Problem
-        if comm.rank == 0:
-            try:
-                verdict = check_structure(backend, name)
-                check_sizes(backend, name, verdict)
-            except ValidationError as exc:
-                verdict = Problem(name, str(exc), exc.path)
-            verdict_json = verdict.model_dump_json() if isinstance(verdict, Manifest) else verdict
-        shared = comm.broadcast(verdict_json if comm.rank == 0 else None)
-        if isinstance(shared, Problem):
-            rejected.append(shared)
-            continue
-        manifest = Manifest.from_bytes(shared.encode(), generation=name)
-        problem = None
+        for backend, listing in zip(tiers, listings, strict=True):
+            if name not in listing:
+                continue
+            verdict = _validate_everywhere(comm, backend, name, digests=digests)
+            if isinstance(verdict, Problem):
+                verdict.tier = backend.root
+                rejected.append(verdict)
+                continue
+            return name, verdict, backend, rejected
+    return None, None, None, rejected
+
+
+def _listing(backend: Backend) -> set[str]:
+    try:
+        return set(list_generations(backend))
+    except StorageError:
+        return set()
+
+
+def _validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bool) -> Manifest | Problem:
+    """Rank 0 checks structure and sizes; the digest check is split across ranks."""
+    if comm.rank == 0:
+        try:
+            checked = check_structure(backend, name)
+            check_sizes(backend, name, checked)
+            verdict: str | Problem = checked.model_dump_json()
+        except (ValidationError, OSError) as exc:
+            verdict = Problem(name, str(exc), getattr(exc, "path", None))
+    shared = comm.broadcast(verdict if comm.rank == 0 else None)
+    if isinstance(shared, Problem):
+        return shared
+    manifest = Manifest.from_bytes(shared.encode(), generation=name)
+    problem = None
+    mine = [f.path for f in manifest.files][comm.rank :: comm.world_size]
+    try:
         if digests:
-            mine = [f.path for f in manifest.files][comm.rank :: comm.world_size]
-            try:
-                check_digests(backend, name, manifest, mine)
-            except (ValidationError, OSError) as exc:
-                problem = Problem(name, str(exc), getattr(exc, "path", None))
-        problems = [p for p in comm.all_gather(problem) if p is not None]
-        if problems:
-            rejected.append(problems[0])
-            continue
-        return name, manifest, rejected
-    return None, None, rejected
+            check_digests(backend, name, manifest, mine)
+        else:  # sizes on every rank: a node-local copy may lack other nodes' files
+            check_sizes(backend, name, manifest.model_copy(
+                update={"files": [f for f in manifest.files if f.path in set(mine)]}))
+    except (ValidationError, OSError) as exc:
+        problem = Problem(name, str(exc), getattr(exc, "path", None))
+    problems = [p for p in comm.all_gather(problem) if p is not None]
+    return problems[0] if problems else manifest
 
 
 def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,

@@ -28,10 +28,12 @@ class Problem:
     generation: str
     reason: str
     path: str | None = None
+    tier: str | None = None  # the root (local or mirror) the generation was read from
 
     def __str__(self) -> str:
         where = f" ({self.path})" if self.path else ""
-        return f"{self.generation}{where}: {self.reason}"
+        tier = f" [{self.tier}]" if self.tier else ""
+        return f"{self.generation}{where}{tier}: {self.reason}"
 
 
 def list_generations(backend: Backend) -> list[str]:

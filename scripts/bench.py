@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import base64
 import cProfile
+import ctypes
 import hashlib
 import io
 import json
@@ -313,20 +314,24 @@ def phase_interference(ctx: Ctx) -> dict:
 
     root = os.path.join(ctx.base, "interference")
     out: dict[str, list] = {"idle": [], "inflight": [], "steps_per_save": []}
+    wanted = max(10, 3 * ctx.repeats)
     steps_while(ctx, None, 2)  # warm-up
-    out["idle"] = steps_while(ctx, None, max(10, 3 * ctx.repeats))
+    out["idle"] = steps_while(ctx, None, wanted)
     config = CheckpointConfig(root=root, async_save=True, keep_last=2)
     with CheckpointManager(config, ctx.state) as mgr:
         mgr.save(1)  # first save allocates the staging buffers: not measured
         mgr.wait()
-        for update in range(2, ctx.repeats + 2):
+        update = 1
+        # at least ``repeats`` saves, and more (up to 4x) until enough steps ran in flight
+        while update <= ctx.repeats or (len(out["inflight"]) < wanted and update <= 4 * ctx.repeats):
+            update += 1
             benchlib.barrier()
             job = mgr.save(update)
             steps = steps_while(ctx, job, 10_000)
             out["inflight"].extend(steps)
             out["steps_per_save"].append(len(steps))
-            mgr.wait()
-    out["idle"].extend(steps_while(ctx, None, max(10, 3 * ctx.repeats)))
+            mgr.wait()  # step counts agree across ranks (steps_while), so does the loop
+    out["idle"].extend(steps_while(ctx, None, wanted))
     ctx.drop(root)
     return out
 
@@ -386,6 +391,7 @@ def rank_memory(rank: int, world: int, cfg: dict, base: str, slots: int) -> dict
     _, _, state = benchlib.build_job(cfg["state_mib"], rank, world)
     state_bytes = sum(t.numel() * t.element_size() for t in benchlib.local_tensors(state.tensor_state()))
     root = os.path.join(base, f"memory-{slots}")
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap (model built unsharded) is not baseline
     benchlib.barrier()
     baseline = rss_bytes()
     sampler = RssSampler()
@@ -664,6 +670,8 @@ def main() -> None:
     print(f"state {args.state_mib} MiB per rank ({local_mib:.0f} MiB local tensors), 2 gloo ranks, "
           f"{args.repeats} repetitions; generation {saves['generation_bytes'] / benchlib.MiB:.0f} MiB in "
           f"{saves['generation_files']} files; wall {walls['total']:.0f} s")
+    steps = raw["main"][0]["interference"]["steps_per_save"]
+    print(f"interference: {len(steps)} async saves, train steps run while each was in flight: {steps}")
     print_table(rows, ratio_values, raw["memory"])
     for name, text in raw["profiles"].items():
         print(f"\n---- cProfile: {name} ----\n{text}")
