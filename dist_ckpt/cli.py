@@ -16,7 +16,8 @@ from typing import Any
 from .errors import DistCkptError, StorageError, UnsafeNameError, ValidationError
 from .inventory import GenerationInfo, inventory
 from .manifest import LATEST_NAME, PENDING_PREFIX, LatestPointer, Manifest, check_generation_name
-from .storage.base import Backend, open_backend
+from .mirror import read_mirror_state
+from .storage.base import Backend, is_remote, open_backend
 from .validate import list_generations, read_manifest, validate
 
 PROG = "dist-ckpt"
@@ -107,24 +108,53 @@ def cmd_ls(args: argparse.Namespace) -> int:
     backend = open_root(args.root)
     latest = read_latest(backend)
     records = [ls_record(info, latest) for info in sorted_inventory(backend)]
+    mirror = mirror_status(args.root, records)
     if args.json:
-        print(json.dumps({"root": backend.root, "latest": latest, "generations": records}, indent=1))
+        print(json.dumps({"root": backend.root, "latest": latest, "generations": records,
+                          "mirror": mirror}, indent=1))
         return 0
     if not records:
         print(f"no generations under {backend.root}")
         return 0
-    rows = [["", "GENERATION", "UPDATE", "BYTES", "SIZE", "STATE", "REASON"]]
+    rows = [["", "GENERATION", "UPDATE", "BYTES", "SIZE", "STATE"]
+            + (["MIRROR"] if mirror else []) + ["REASON"]]
     for rec in records:
         update = "-" if rec["next_update"] is None else str(rec["next_update"])
         size = "-" if rec["total_bytes"] is None else str(rec["total_bytes"])
         rows.append(["*" if rec["latest"] else "", rec["name"], update, size,
-                     human_bytes(rec["total_bytes"]), rec["state"], rec["reason"] or ""])
+                     human_bytes(rec["total_bytes"]), rec["state"]]
+                    + ([rec.get("mirror", "")] if mirror else []) + [rec["reason"] or ""])
     print_table(rows)
+    if mirror:
+        print(f"mirror {mirror['url']}: last completed remote generation "
+              f"{mirror['last_completed'] or '(none)'}")
     if latest is not None:
         print(f"* = {LATEST_NAME} -> {latest}")
     else:
         print(f"({LATEST_NAME} is missing or unreadable)")
     return 0
+
+
+def mirror_status(root: str, records: list[dict]) -> dict | None:
+    """For a local root with a mirror: mark each record mirrored / local-only (skipped)."""
+    if is_remote(root):
+        return None
+    state = read_mirror_state(root)
+    if not state.get("mirror"):
+        return None
+    try:
+        remote = open_backend(state["mirror"])
+        remote_committed = {i.name for i in inventory(remote, digests=False) if i.state == "committed"}
+    except (StorageError, OSError, ValueError) as exc:
+        raise UsageError(f"cannot read mirror {state['mirror']!r}: {exc}") from exc
+    skipped = set(state.get("skipped", []))
+    for rec in records:
+        if rec["name"] in remote_committed:
+            rec["mirror"] = "mirrored"
+        elif rec["state"] == "committed":
+            rec["mirror"] = "local-only (skipped)" if rec["name"] in skipped else "local-only"
+    return {"url": state["mirror"], "last_completed": state.get("last_completed"),
+            "skipped": sorted(skipped), "remote_committed": sorted(remote_committed)}
 
 
 def default_committed(backend: Backend) -> str:

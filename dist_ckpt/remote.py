@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from . import faults
 from .errors import StorageError
 from .manifest import LATEST_NAME, MANIFEST_NAME, LatestPointer, Manifest
 from .storage.objectstore import ObjectStoreBackend
@@ -27,7 +28,12 @@ def upload_files(backend: ObjectStoreBackend, local_base: str, generation: str, 
 
     def one(entry: dict) -> None:
         rel = f"{generation}/{data_dir}/{entry['path']}" if data_dir else f"{generation}/{entry['path']}"
-        backend.put_file(os.path.join(local_base, entry["path"]), rel)
+        local = os.path.join(local_base, entry["path"])
+        if faults.hit("upload.file", entry["rank"]).get("truncate"):
+            with open(local, "rb") as handle:  # an injected short upload
+                backend.put_bytes(rel, handle.read()[: entry["size"] // 2])
+        else:
+            backend.put_file(local, rel)
         size = backend.size(rel)
         if size != entry["size"]:
             raise StorageError(f"uploaded {rel} has {size} bytes, expected {entry['size']}")
