@@ -44,6 +44,7 @@ class Comm:
         self.session = session
         self.store = dist.PrefixStore(f"dist_ckpt/{session}/", base_store)
         self.fs_leader = 0
+        self.fs_group = list(range(self.world_size))
         self.root_group_has_rank0 = True
 
     def probe_shared_root(self, root: str) -> None:
@@ -59,6 +60,7 @@ class Comm:
         self.all_gather(None)
         prefix = f".probe-{self.session}-"
         visible = sorted(int(n[len(prefix):]) for n in os.listdir(root) if n.startswith(prefix))
+        self.fs_group = visible
         self.fs_leader = visible[0]
         self.root_group_has_rank0 = 0 in visible
         self.all_gather(None)

@@ -54,6 +54,7 @@ class SaveRequest:
     global_state: bytes | None  # rank 0 only
     info: PublishInfo | None  # rank 0 only
     remote: ObjectStoreBackend | None = None  # set when the root is an object store
+    local_ranks: frozenset[int] | None = None  # ranks whose files this node's disk holds
     started: float = field(default_factory=time.monotonic)
 
     @property

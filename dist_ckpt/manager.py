@@ -154,6 +154,7 @@ class CheckpointManager:
         request = SaveRequest(
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
             root=self.write_root, pending_name=nonce, prepared=prepared, remote=self.remote,
+            local_ranks=frozenset(self.comm.fs_group),
             rank_state=codec.dumps(state.rank_state()),
             global_state=codec.dumps(state.global_state()) if is_root else None,
             info=PublishInfo(world_size=self.comm.world_size, components=list(state.components),
@@ -167,6 +168,8 @@ class CheckpointManager:
                 self.staging.release(slot)  # type: ignore[union-attr]
             if not finished.committed:
                 return
+            if self.uploader is not None:
+                self.uploader.local_committed(name)
             if is_root and self.uploader is not None and finished.manifest_raw is not None:
                 self.uploader.enqueue(name, finished.manifest_raw)
             if self.comm.rank == self.comm.fs_leader and self.config.keep_last:

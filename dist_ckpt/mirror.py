@@ -69,6 +69,7 @@ class MirrorUploader:
         self._cond = threading.Condition()
         self._uploading = 0
         self._active: str | None = None
+        self._local_done: set[str] = set()
         self._closing = False
         self._seq = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name="dist-ckpt-mirror")
@@ -86,6 +87,25 @@ class MirrorUploader:
                 self._record(skipped=skipped)
             self.stats.max_queue = max(self.stats.max_queue, len(self._queue))
             self._cond.notify_all()
+
+    # ---- all ranks ---------------------------------------------------------------------
+    def local_committed(self, generation: str) -> None:
+        """This rank's copy of ``generation`` is in place (its save job finished)."""
+        with self._cond:
+            self._local_done.add(generation)
+            self._cond.notify_all()
+
+    def _wait_local(self, generation: str) -> bool:
+        # on node-local disks a node's copy is renamed into place after rank 0 announced it
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while generation not in self._local_done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 1.0))
+            self._local_done.discard(generation)
+        return True
 
     def pending(self) -> set[str]:
         """Generations queued or being uploaded: local retention must keep them."""
@@ -133,6 +153,8 @@ class MirrorUploader:
             self._uploading += 1
             self.stats.max_uploading = max(self.stats.max_uploading, self._uploading)
         try:
+            if not self._wait_local(generation):
+                raise DistCkptError(f"{generation} never completed locally on this rank")
             mine = [f.model_dump() for f in manifest.files if f.rank == self.comm.rank]
             upload_files(self.mirror, os.path.join(self.local_root, generation), generation, data_dir,
                          mine, concurrency=self.concurrency)
@@ -163,10 +185,10 @@ class MirrorUploader:
         except Exception as exc:  # noqa: BLE001 - the mirror lags; local training goes on
             log.error("mirror upload of %s failed: %s", generation, exc)
             self.stats.failed[generation] = str(exc)
-            self._record(failed=generation)
+            self._record(failed=generation, reason=str(exc))
 
     def _record(self, *, completed: Manifest | None = None, skipped: str | None = None,
-                failed: str | None = None) -> None:
+                failed: str | None = None, reason: str | None = None) -> None:
         state = read_mirror_state(self.local_root)
         state["mirror"] = self.mirror.root
         if completed is not None:
@@ -176,6 +198,8 @@ class MirrorUploader:
         for key, name in (("skipped", skipped), ("failed", failed)):
             if name is not None:
                 state[key] = (state.get(key, []) + [name])[-100:]
+        if failed is not None:
+            state["last_failure"] = {"generation": failed, "reason": reason}
         atomic_write(os.path.join(self.local_root, MIRROR_STATE), json.dumps(state, indent=1).encode())
 
     def drain(self, timeout_s: float) -> bool:

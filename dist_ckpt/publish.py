@@ -77,7 +77,10 @@ def publish_generation(request: SaveRequest, info: PublishInfo, entries: list[di
         return manifest
     raw = manifest.to_bytes()
     _rename_into_place(request, raw)
-    check_sizes(LocalBackend(request.root), request.generation, manifest)
+    on_this_node = [f for f in manifest.files
+                    if request.local_ranks is None or f.rank in request.local_ranks]
+    check_sizes(LocalBackend(request.root), request.generation,
+                manifest.model_copy(update={"files": on_this_node}))
     faults.hit("commit.before_latest", 0)
     update_latest(request.root, manifest, raw)
     return manifest

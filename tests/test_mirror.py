@@ -21,7 +21,8 @@ from tests.test_faults_local import make_state, step
 FILES_PER_GENERATION = 4  # one shard, .metadata, train_state.json, rank-00000.json
 
 
-def run_job(root: str, mirror: str, updates: list[int], faults: dict | None = None) -> subprocess.CompletedProcess:
+def run_job(root: str, mirror: str, updates: list[int],
+            faults: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, DIST_CKPT_FAULTS=json.dumps(faults or {}))
     return subprocess.run([sys.executable, "-m", "tests.mirror_job", root, mirror, *map(str, updates)],
                           env=env, capture_output=True, text=True, timeout=120,
