@@ -17,7 +17,9 @@ from .errors import DistCkptError, StorageError, UnsafeNameError, ValidationErro
 from .inventory import GenerationInfo, inventory
 from .manifest import LATEST_NAME, PENDING_PREFIX, LatestPointer, Manifest, check_generation_name
 from .mirror import read_mirror_state
+from .retention import prune, prune_object_store
 from .storage.base import Backend, is_remote, open_backend
+from .storage.objectstore import ObjectStoreBackend
 from .validate import list_generations, read_manifest, validate
 
 PROG = "dist-ckpt"
@@ -234,6 +236,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_prune(args: argparse.Namespace) -> int:
+    backend = open_root(args.root)
+    if isinstance(backend, ObjectStoreBackend):
+        plan = prune_object_store(backend, keep_last=args.keep_last, dry_run=args.dry_run)
+        removed = {"generations": plan.generations, "incomplete": plan.incomplete,
+                   "orphans": plan.orphans, "multipart_aborted": plan.multipart_aborted}
+    else:
+        if args.keep_last is None:
+            raise UsageError("--keep-last is required for a local root")
+        committed = [i.name for i in inventory(backend, digests=False) if i.state == "committed"]
+        removed = {"generations": prune(backend, committed, keep_last=args.keep_last,
+                                        dry_run=args.dry_run)}
+    verb = "would remove" if args.dry_run else "removed"
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, **removed}))
+    else:
+        for kind, names in removed.items():
+            if isinstance(names, list):
+                for name in names:
+                    print(f"{verb} {kind[:-1] if kind.endswith('s') else kind}: {name}")
+        if removed.get("multipart_aborted"):
+            print(f"aborted {removed['multipart_aborted']} multipart upload(s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -243,13 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=cmd_inspect)
     verify = sub.add_parser("verify", help="fully validate a generation (sizes and sha256)")
     verify.set_defaults(func=cmd_verify)
-    for cmd in (ls, inspect, verify):
-        cmd.add_argument("root", metavar="ROOT", help="checkpoint root directory")
+    prune_cmd = sub.add_parser("prune", help="delete old generations and leftovers of failed uploads")
+    prune_cmd.set_defaults(func=cmd_prune)
+    prune_cmd.add_argument("--keep-last", type=int, default=None, metavar="K",
+                           help="keep the newest K committed generations")
+    prune_cmd.add_argument("--dry-run", action="store_true", help="only print what would go")
+    for cmd in (ls, inspect, verify, prune_cmd):
+        cmd.add_argument("root", metavar="ROOT", help="checkpoint root (path or s3:// URL)")
     inspect.add_argument("generation", metavar="GEN", nargs="?",
                          help="generation name (default: newest committed)")
     verify.add_argument("generation", metavar="GEN", nargs="?",
                         help="generation name (default: newest, any state)")
-    for cmd in (ls, inspect, verify):
+    for cmd in (ls, inspect, verify, prune_cmd):
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
@@ -266,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
         parser.print_usage(sys.stderr)
-        error("a command is required (ls, inspect, verify)")
+        error("a command is required (ls, inspect, verify, prune)")
         return 2
     try:
         return int(args.func(args))

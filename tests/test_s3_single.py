@@ -63,3 +63,32 @@ def test_two_writers_one_generation(s3_root: str) -> None:
         result = mgr.restore()
     assert result.generation == "gen-000000000005"
     assert cli(["verify", s3_root, "gen-000000000005"]) == 0
+
+
+def test_pruner_removes_leftovers_of_failed_uploads_only(s3_root: str) -> None:
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=s3_root), state) as mgr:
+        for update in (1, 4):
+            step(state)
+            mgr.save(update)
+    backend = ObjectStoreBackend(s3_root)
+    backend.put_bytes("gen-000000000003/attempt-dead/dcp/__0_0.distcp", b"partial")  # crashed upload
+    backend.put_bytes("gen-000000000004/attempt-lost/dcp/__0_0.distcp", b"loser")  # orphan attempt
+    backend.put_bytes("gen-000000000009/attempt-live/dcp/__0_0.distcp", b"in flight")  # newer: kept
+    bucket, _, prefix = backend.base.partition("/")
+    backend.fs.call_s3("create_multipart_upload", Bucket=bucket,
+                       Key=f"{prefix}/gen-000000000003/attempt-dead/dcp/__1_0.distcp")
+    with CheckpointManager(CheckpointConfig(root=s3_root), make_state()) as mgr:
+        assert mgr.restore().generation == "gen-000000000004"  # a reader deletes nothing
+    assert backend.exists("gen-000000000003/attempt-dead/dcp/__0_0.distcp")
+    assert cli(["prune", s3_root, "--dry-run"]) == 0
+    assert backend.exists("gen-000000000003")
+    assert cli(["prune", s3_root]) == 0
+    assert not backend.exists("gen-000000000003")
+    assert not backend.exists("gen-000000000004/attempt-lost")
+    assert backend.exists("gen-000000000009/attempt-live/dcp/__0_0.distcp")
+    assert not backend.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+    assert cli(["verify", s3_root, "gen-000000000004"]) == 0
+    assert cli(["verify", s3_root, "gen-000000000001"]) == 0
+    assert cli(["prune", s3_root, "--keep-last", "1"]) == 0
+    assert not backend.exists("gen-000000000001")
