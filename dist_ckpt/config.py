@@ -35,6 +35,7 @@ class CheckpointConfig(BaseModel):
     mirror_queue: int = Field(default=2, ge=1, le=64)  # generations waiting; older ones skipped
     mirror_concurrency: int = Field(default=4, ge=1, le=64)  # parallel object uploads per rank
     mirror_timeout_s: float = Field(default=1800.0, gt=0)
+    mirror_keep_last: int | None = Field(default=None, ge=1)  # retention of the mirror tier
     strict_torch_version: bool = False
     allow_contract_change: bool = False
 

@@ -77,7 +77,10 @@ class CheckpointManager:
             self.mirror = ObjectStoreBackend(config.mirror, config.storage_options)
             self.uploader = MirrorUploader(
                 self.comm, self.write_root, self.mirror, queue_length=config.mirror_queue,
-                concurrency=config.mirror_concurrency, timeout_s=config.mirror_timeout_s)
+                concurrency=config.mirror_concurrency, timeout_s=config.mirror_timeout_s,
+                keep_last=config.mirror_keep_last)
+            if self.comm.rank == 0:
+                self.uploader.on_settled = self._prune_local
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
         self.plans = SavePlanCache(self.comm)
         self.stats = SaveStats()
@@ -172,10 +175,8 @@ class CheckpointManager:
                 self.uploader.local_committed(name)
             if is_root and self.uploader is not None and finished.manifest_raw is not None:
                 self.uploader.enqueue(name, finished.manifest_raw)
-            if self.comm.rank == self.comm.fs_leader and self.config.keep_last:
-                pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
-                retention.prune(self.backend, self._committed_names(),
-                                keep_last=self.config.keep_last, pinned=pinned)
+            if self.comm.rank == self.comm.fs_leader:
+                self._prune_local()
 
         job = SaveJob(request, on_done=on_done)
         self.stats.started += 1
@@ -191,6 +192,14 @@ class CheckpointManager:
             self._reap()
             self._raise_unraised()
         return job
+
+    def _prune_local(self) -> None:
+        """Local retention; generations still waiting for the mirror are kept."""
+        if not self.config.keep_last:
+            return
+        pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
+        retention.prune(self.backend, self._committed_names(), keep_last=self.config.keep_last,
+                        pinned=pinned)
 
     def _committed_names(self) -> list[str]:
         return [g.name for g in self.generations() if g.state == "committed"]

@@ -21,12 +21,14 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .comm import Comm
 from .errors import DistCkptError
 from .manifest import Manifest
 from .remote import commit_manifest, upload_files
+from .retention import prune_object_store
 from .storage.local import atomic_write
 from .storage.objectstore import ObjectStoreBackend
 
@@ -57,7 +59,9 @@ class MirrorUploader:
     """One per rank; ``enqueue`` is called on rank 0 only, ``close`` on every rank."""
 
     def __init__(self, comm: Comm, local_root: str, mirror: ObjectStoreBackend, *, queue_length: int,
-                 concurrency: int, timeout_s: float) -> None:
+                 concurrency: int, timeout_s: float, keep_last: int | None = None) -> None:
+        self.keep_last = keep_last
+        self.on_settled: Callable[[], None] | None = None  # rank 0: after each upload settles
         self.comm = comm
         self.local_root = local_root
         self.mirror = mirror
@@ -182,10 +186,16 @@ class MirrorUploader:
             commit_manifest(self.mirror, manifest.model_copy(update={"data_dir": data_dir}))
             self.stats.completed.append(generation)
             self._record(completed=manifest)
+            if self.keep_last is not None:
+                prune_object_store(self.mirror, keep_last=self.keep_last)
         except Exception as exc:  # noqa: BLE001 - the mirror lags; local training goes on
             log.error("mirror upload of %s failed: %s", generation, exc)
             self.stats.failed[generation] = str(exc)
             self._record(failed=generation, reason=str(exc))
+        if self.on_settled is not None:
+            with self._cond:
+                self._active = None  # the settled generation no longer pins local retention
+            self.on_settled()
 
     def _record(self, *, completed: Manifest | None = None, skipped: str | None = None,
                 failed: str | None = None, reason: str | None = None) -> None:

@@ -76,13 +76,13 @@ class Ctx:
     def step(self) -> None:
         benchlib.train_step(self.model, self.optimizer)
 
-    def profiled(self, name: str, fn: Callable[[], Any]) -> Any:
+    def profiled(self, name: str, fn: Callable[[], Any], sort: str = "cumulative") -> Any:
         """Run ``fn`` (all ranks); under cProfile on rank 0 when --profile was given."""
         if not (self.cfg["profile"] and self.rank == 0):
             return fn()
         profiler = cProfile.Profile()
         result = profiler.runcall(fn)
-        self.profiles[name] = profile_text(profiler)
+        self.profiles[name] = profile_text(profiler, sort=sort)
         return result
 
     def drop(self, *paths: str) -> None:
@@ -94,10 +94,10 @@ class Ctx:
         benchlib.barrier()
 
 
-def profile_text(profiler: cProfile.Profile, top: int = 30) -> str:
+def profile_text(profiler: cProfile.Profile, top: int = 30, sort: str = "cumulative") -> str:
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
-    stats.strip_dirs().sort_stats("cumulative").print_stats(top)
+    stats.strip_dirs().sort_stats(sort).print_stats(top)
     return out.getvalue()
 
 
@@ -191,55 +191,24 @@ def generation_files(root: str) -> tuple[str, list[tuple[str, int]], int]:
 
 
 # ---- phases of the main 2-rank run -------------------------------------------------------
-def save_series(ctx: Ctx, mgr, updates: range) -> dict:
-    """Save at each update (all ranks): blocking time, save-to-wait time, a copy floor after."""
-    out: dict[str, list[float]] = {"block": [], "e2e": [], "copy": []}
-    for update in updates:
-        ctx.step()
-        benchlib.barrier()
-        started = time.perf_counter()
-        mgr.save(update)
-        out["block"].append(time.perf_counter() - started)
-        mgr.wait()
-        out["e2e"].append(time.perf_counter() - started)
-        benchlib.barrier()
-        out["copy"].append(benchlib.copy_floor(ctx.tensors, ctx.buffers))
-    return out
+def our_save(mgr, update: int, out: dict[str, list[float]]) -> None:
+    """One save (all ranks): blocking time and save() -> wait() time."""
+    benchlib.barrier()
+    started = time.perf_counter()
+    mgr.save(update)
+    out["block"].append(time.perf_counter() - started)
+    mgr.wait()
+    out["e2e"].append(time.perf_counter() - started)
 
 
-def phase_saves(ctx: Ctx) -> dict:
-    """Async then sync saves of the same state; the sync root is kept for the restore phases."""
-    from dist_ckpt import CheckpointConfig, CheckpointManager
-
-    out: dict = {}
-    for mode in ("async", "sync"):
-        root = os.path.join(ctx.base, f"ours-{mode}")
-        config = CheckpointConfig(root=root, async_save=mode == "async", keep_last=2)
-        with CheckpointManager(config, ctx.state) as mgr:
-            out[mode] = save_series(ctx, mgr, range(1, ctx.repeats + 2))
-            extra = ctx.repeats + 2  # one more save, not measured, under cProfile on rank 0
-            ctx.step()
-            benchlib.barrier()
-            ctx.profiled(f"{mode} save() rank 0", lambda m=mgr, u=extra: m.save(u))
-            mgr.wait()
-        if mode == "async":
-            ctx.drop(root)
-    name, files, total = generation_files(os.path.join(ctx.base, "ours-sync"))
-    out["generation"], out["generation_bytes"], out["generation_files"] = name, total, len(files)
-    return out
-
-
-def phase_raw_write(ctx: Ctx, generation_bytes: int) -> list[float]:
-    """Each rank writes its 1/world share of a generation's bytes + fsync, concurrently."""
+def raw_write_share(ctx: Ctx, generation_bytes: int, views: list[memoryview]) -> float:
+    """Each rank writes its 1/world share of a generation's bytes + fsync, after a barrier."""
     path = os.path.join(ctx.base, f"raw-write-{ctx.rank}.bin")
-    views = byte_views(ctx.buffers)
-    times = []
-    for _ in range(ctx.repeats):
-        benchlib.barrier()
-        times.append(raw_write(path, views, generation_bytes // ctx.world))
-        benchlib.barrier()
-        os.unlink(path)
-    return times
+    benchlib.barrier()
+    seconds = raw_write(path, views, generation_bytes // ctx.world)
+    benchlib.barrier()
+    os.unlink(path)
+    return seconds
 
 
 def dcp_wait(response: Any) -> None:
@@ -250,24 +219,55 @@ def dcp_wait(response: Any) -> None:
         response.result()
 
 
-def phase_dcp(ctx: Ctx) -> dict:
-    """Raw DCP async_save (default options) and save of ``state.tensor_state()``, fresh dirs."""
+def dcp_saves(ctx: Ctx, index: int, out: dict[str, list[float]]) -> None:
+    """Raw DCP async_save (default options) then save of ``state.tensor_state()``, fresh dirs."""
     import torch.distributed.checkpoint as dcp
 
-    out: dict[str, list[float]] = {"async_block": [], "async_e2e": [], "sync": []}
-    for index in range(ctx.repeats + 1):  # the first of each is reported separately
-        paths = [os.path.join(ctx.base, f"dcp-{kind}-{index}") for kind in ("async", "sync")]
-        ctx.step()
-        benchlib.barrier()
-        started = time.perf_counter()
-        response = dcp.async_save(ctx.state.tensor_state(), checkpoint_id=paths[0])
-        out["async_block"].append(time.perf_counter() - started)
-        dcp_wait(response)
-        out["async_e2e"].append(time.perf_counter() - started)
-        benchlib.barrier()
-        out["sync"].append(benchlib.timed(
-            lambda p=paths[1]: dcp.save(ctx.state.tensor_state(), checkpoint_id=p)))
-        ctx.drop(*paths)
+    paths = [os.path.join(ctx.base, f"dcp-{kind}-{index}") for kind in ("async", "sync")]
+    benchlib.barrier()
+    started = time.perf_counter()
+    response = dcp.async_save(ctx.state.tensor_state(), checkpoint_id=paths[0])
+    out["dcp_async_block"].append(time.perf_counter() - started)
+    dcp_wait(response)
+    out["dcp_async_e2e"].append(time.perf_counter() - started)
+    benchlib.barrier()
+    out["dcp_sync"].append(benchlib.timed(
+        lambda: dcp.save(ctx.state.tensor_state(), checkpoint_id=paths[1])))
+    ctx.drop(*paths)
+
+
+def phase_saves(ctx: Ctx) -> dict:
+    """Rounds of: train step, our async save, copy floor, raw write, DCP async + sync, our sync
+    save -- interleaved so that drifting machine load hits every series alike. Round 0 holds
+    the first saves. The sync root is kept for the restore phases."""
+    from dist_ckpt import CheckpointConfig, CheckpointManager
+
+    roots = {mode: os.path.join(ctx.base, f"ours-{mode}") for mode in ("async", "sync")}
+    out: dict[str, Any] = {mode: {"block": [], "e2e": []} for mode in roots}
+    out.update(copy=[], raw_write=[], dcp_async_block=[], dcp_async_e2e=[], dcp_sync=[])
+    views = byte_views(ctx.buffers)
+    configs = {mode: CheckpointConfig(root=root, async_save=mode == "async", keep_last=2)
+               for mode, root in roots.items()}
+    with CheckpointManager(configs["async"], ctx.state) as amgr, \
+            CheckpointManager(configs["sync"], ctx.state) as smgr:
+        for index in range(ctx.repeats + 1):
+            ctx.step()
+            our_save(amgr, index + 1, out["async"])
+            benchlib.barrier()
+            out["copy"].append(benchlib.copy_floor(ctx.tensors, ctx.buffers))
+            _, _, generation_bytes = generation_files(roots["async"])
+            out["raw_write"].append(raw_write_share(ctx, generation_bytes, views))
+            dcp_saves(ctx, index, out)
+            our_save(smgr, index + 1, out["sync"])
+        extra = ctx.repeats + 2  # one more save each, not measured, under cProfile on rank 0
+        for mode, mgr in (("async", amgr), ("sync", smgr)):
+            ctx.step()
+            benchlib.barrier()
+            ctx.profiled(f"{mode} save() rank 0", lambda m=mgr: m.save(extra))
+            mgr.wait()
+    ctx.drop(roots["async"])
+    name, files, total = generation_files(roots["sync"])
+    out["generation"], out["generation_bytes"], out["generation_files"] = name, total, len(files)
     return out
 
 
@@ -331,6 +331,11 @@ def phase_interference(ctx: Ctx) -> dict:
             out["inflight"].extend(steps)
             out["steps_per_save"].append(len(steps))
             mgr.wait()  # step counts agree across ranks (steps_while), so does the loop
+        if ctx.cfg["profile"]:  # one more step each way, not measured, under cProfile on rank 0
+            ctx.profiled("train step rank 0, no save in flight", ctx.step, sort="tottime")
+            mgr.save(update + 1)
+            ctx.profiled("train step rank 0, async save in flight", ctx.step, sort="tottime")
+            mgr.wait()
     out["idle"].extend(steps_while(ctx, None, wanted))
     ctx.drop(root)
     return out
@@ -347,9 +352,7 @@ def rank_main(rank: int, world: int, cfg: dict, base: str) -> dict:
         return result
 
     out: dict[str, Any] = {"rank": rank, "state_bytes": ctx.state_bytes}
-    out["saves"] = phase("saves", lambda: phase_saves(ctx))
-    out["raw_write"] = phase("raw write", lambda: phase_raw_write(ctx, out["saves"]["generation_bytes"]))
-    out["dcp"] = phase("dcp", lambda: phase_dcp(ctx))
+    out["saves"] = phase("saves, raw write, DCP", lambda: phase_saves(ctx))
     out["restore"] = phase("restore", lambda: phase_restore(ctx, os.path.join(base, "ours-sync")))
     out["interference"] = phase("interference", lambda: phase_interference(ctx))
     out["walls"], out["profiles"] = walls, ctx.profiles
@@ -540,15 +543,15 @@ def timing_rows(main: list[dict], reshard: list[dict], scale: dict) -> dict[str,
     for mode in ("async", "sync"):
         block = get("saves", mode, "block")
         rows[f"our {mode} save() blocking, first"], rows[f"our {mode} save() blocking"] = block[:1], block[1:]
-    rows["plain copy into preallocated buffers"] = get("saves", "async", "copy")[1:]
+    rows["plain copy into preallocated buffers"] = get("saves", "copy")[1:]
     e2e = get("saves", "async", "e2e", rank=0)
     rows["our async commit, save() -> wait() rank 0, first"] = e2e[:1]
     rows["our async commit, save() -> wait() rank 0"] = e2e[1:]
     rows["our sync save() rank 0"] = get("saves", "sync", "e2e", rank=0)[1:]
-    rows["raw write + fsync of the generation bytes"] = get("raw_write")
-    for key, label in (("async_block", "DCP async_save blocking"), ("async_e2e", "DCP async_save end-to-end"),
-                       ("sync", "DCP save (sync)")):
-        series = get("dcp", key)
+    rows["raw write + fsync of the generation bytes"] = get("saves", "raw_write")[1:]
+    for key, label in (("dcp_async_block", "DCP async_save blocking"),
+                       ("dcp_async_e2e", "DCP async_save end-to-end"), ("dcp_sync", "DCP save (sync)")):
+        series = get("saves", key)
         rows[f"{label}, first"], rows[label] = series[:1], series[1:]
     rows["our restore(), 2 ranks"] = get("restore", "restore")
     rows["raw read of the generation files, 2 ranks"] = get("restore", "read")

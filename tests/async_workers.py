@@ -77,6 +77,7 @@ def slow_and_failing_ranks(rank: int, world: int, root: str) -> dict:
     faults.configure(None)
     mgr.save(8)
     mgr.wait()
+    out["planning_rounds"] = mgr.plans.planning_rounds
     out["committed"] = [g.name for g in mgr.generations() if g.state == "committed"]
     out["pending"] = [g.name for g in mgr.generations() if g.state == "pending"]
     mgr.close()

@@ -75,6 +75,27 @@ def test_slow_late_crashed_and_missing_ranks(tmp_path) -> None:
         assert result["committed"] == [f"gen-{n:012d}" for n in (8, 4, 2, 1)]
         assert result["pending"] == []
     assert sorted(os.listdir(root)) == [f"gen-{n:012d}" for n in (1, 2, 4, 8)] + ["latest.json"]
+    # the layout never changed: one global planning round for all the saves
+    assert [r["planning_rounds"] for r in ranks] == [1, 1]
+
+
+def test_plan_cache_is_invalidated_when_the_layout_changes(tmp_path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), TrainState(model, optimizer)) as mgr:
+        mgr.save(1)
+        mgr.save(2)
+        assert mgr.plans.planning_rounds == 1
+        model.append(torch.nn.Linear(4, 2))
+        mgr.save(3)
+        assert mgr.plans.planning_rounds == 2
+        mgr.save(4)
+        assert mgr.plans.planning_rounds == 2
+    restored = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    state = TrainState(restored, torch.optim.SGD(restored[0].parameters(), lr=0.1))
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), state) as mgr:
+        assert mgr.restore().generation == "gen-000000000004"
+    assert torch.equal(restored[1].weight, model[1].weight)
 
 
 def test_in_flight_bound_and_staging_reuse(tmp_path) -> None:

@@ -53,6 +53,20 @@ def test_mirror_round_trip_after_local_loss(s3_root: str, tmp_path) -> None:
         assert torch.equal(value, saved[key])
 
 
+def test_retention_per_tier(s3_root: str, tmp_path) -> None:
+    root = str(tmp_path / "local")
+    state = make_state()
+    config = CheckpointConfig(root=root, mirror=s3_root, keep_last=2, mirror_keep_last=3)
+    with CheckpointManager(config, state) as mgr:
+        for update in range(1, 6):
+            step(state)
+            mgr.save(update)
+            assert mgr.uploader.drain(60)  # no skipping: every generation reaches the mirror
+    local = sorted(n for n in os.listdir(root) if n.startswith("gen-"))
+    assert local == ["gen-000000000004", "gen-000000000005"]
+    assert sorted(remote_states(s3_root)) == [f"gen-{n:012d}" for n in (3, 4, 5)]
+
+
 def test_uploader_killed_mid_generation(s3_root: str, tmp_path) -> None:
     root = str(tmp_path / "local")
     kill_on = {"upload.file": {"after": FILES_PER_GENERATION + 1, "kill": True}}

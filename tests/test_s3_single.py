@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import threading
+
 import torch
 
-from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError
+from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, faults
 from dist_ckpt.cli import main as cli
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
+from dist_ckpt.validate import read_manifest
 from tests.test_faults_local import make_state, step
 
 
@@ -50,19 +52,43 @@ def test_s3_corrupt_object_falls_back(s3_root: str) -> None:
 
 
 def test_two_writers_one_generation(s3_root: str) -> None:
-    first, second = make_state(), make_state()
-    step(second)
-    with CheckpointManager(CheckpointConfig(root=s3_root), first) as mgr_a, \
-            CheckpointManager(CheckpointConfig(root=s3_root), second) as mgr_b:
-        mgr_a.save(5)
-        with pytest.raises(CommitError) as caught:
-            mgr_b._start("gen-000000000005", 5, None, second.tensor_state(), "x", False,
-                         ".pending-gen-000000000005-bbbbbbbb")
-        assert "GenerationExists" in str(caught.value)
-    with CheckpointManager(CheckpointConfig(root=s3_root), make_state()) as mgr:
-        result = mgr.restore()
-    assert result.generation == "gen-000000000005"
+    """Two jobs race to commit gen 5: both pass the existence check and upload, then the
+    conditional create of the manifest lets exactly one win."""
+    states = [make_state(), make_state()]
+    step(states[1])
+    outcomes: dict[int, str] = {}
+    faults.configure({"commit.before_manifest": {"delay_s": 1.0}})  # both are past the check
+
+    def writer(index: int) -> None:
+        with CheckpointManager(CheckpointConfig(root=s3_root), states[index]) as mgr:
+            try:
+                mgr.save(5)
+                outcomes[index] = "committed"
+            except CommitError as exc:
+                outcomes[index] = str(exc)
+
+    try:
+        threads = [threading.Thread(target=writer, args=(i,)) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        faults.configure(None)
+    assert sorted(outcomes) == [0, 1]
+    winners = [i for i, o in outcomes.items() if o == "committed"]
+    assert len(winners) == 1, outcomes
+    loser = outcomes[1 - winners[0]]
+    assert "GenerationExists" in loser and "another writer committed" in loser
     assert cli(["verify", s3_root, "gen-000000000005"]) == 0
+    fresh = make_state()
+    with CheckpointManager(CheckpointConfig(root=s3_root), fresh) as mgr:
+        assert mgr.restore().generation == "gen-000000000005"
+    for key, value in fresh.model.state_dict().items():  # the winner's bytes, not a mix
+        assert torch.equal(value, states[winners[0]].model.state_dict()[key])
+    backend = ObjectStoreBackend(s3_root)
+    attempts = [c for c in backend.listdir("gen-000000000005") if c.startswith("attempt-")]
+    assert attempts == [read_manifest(backend, "gen-000000000005").data_dir]  # loser's removed
 
 
 def test_pruner_removes_leftovers_of_failed_uploads_only(s3_root: str) -> None:
