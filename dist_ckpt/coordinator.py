@@ -18,6 +18,7 @@ thread for a synchronous save or in a background thread for an asynchronous one)
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import pickle
@@ -26,10 +27,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from . import faults
 from .comm import Comm
@@ -38,7 +36,8 @@ from .manifest import DCP_DIR, GLOBAL_STATE_FILE, STATE_DIR, rank_state_file
 from .planning import PreparedSave
 from .publish import PublishInfo, publish_generation, publish_node_copy
 from .remote import upload_files
-from .storage.local import file_sha256, fsync_dir, write_durable
+from .shardio import hashing_writer
+from .storage.local import fsync_dir, write_durable
 from .storage.objectstore import ObjectStoreBackend
 
 
@@ -94,31 +93,21 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int) -> tuple[
     state_dir = os.path.join(request.pending, STATE_DIR)
     os.makedirs(dcp_dir, exist_ok=True)
     os.makedirs(state_dir, exist_ok=True)
-    writer = FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True,
-                              thread_count=io_threads, overwrite=True)
+    writer, filesystem = hashing_writer(dcp_dir, thread_count=io_threads)
     results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()
-    relative = sorted({f"{DCP_DIR}/{r.storage_data.relative_path}" for r in results})
-    write_durable(os.path.join(request.pending, rank_state_file(rank)), request.rank_state)
-    relative.append(rank_state_file(rank))
+    entries = [{"path": f"{DCP_DIR}/{name}", "size": size, "sha256": digest, "rank": rank}
+               for name, (size, digest) in sorted(filesystem.digests.items())]
+    state_files = [(rank_state_file(rank), request.rank_state)]
     if request.global_state is not None:
-        write_durable(os.path.join(request.pending, GLOBAL_STATE_FILE), request.global_state)
-        relative.append(GLOBAL_STATE_FILE)
+        state_files.append((GLOBAL_STATE_FILE, request.global_state))
+    for rel, data in state_files:
+        write_durable(os.path.join(request.pending, rel), data)
+        entries.append({"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                        "rank": rank})
     fsync_dir(dcp_dir)
     fsync_dir(state_dir)
     faults.hit("write.after", rank)
-    entries = hash_files(request.pending, relative, rank)
     return entries, pickle.dumps(results)
-
-
-def hash_files(base: str, relative: list[str], rank: int) -> list[dict]:
-    def one(rel: str) -> dict:
-        size, digest = file_sha256(os.path.join(base, rel))
-        return {"path": rel, "size": size, "sha256": digest, "rank": rank}
-
-    if len(relative) <= 1:
-        return [one(rel) for rel in relative]
-    with ThreadPoolExecutor(max_workers=min(4, len(relative))) as pool:
-        return list(pool.map(one, relative))
 
 
 def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float) -> None:

@@ -1,0 +1,87 @@
+"""DCP shard files written with their sha256 computed on the way out.
+
+DCP's ``FileSystemWriter`` fsyncs a data file through ``stream.fileno()`` while Python's
+buffer may still hold its tail; the stream here flushes before handing out the descriptor,
+so that fsync covers every byte, and hashes each byte as it is written, so that no file is
+read back to get its digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+
+
+class HashingStream(io.RawIOBase):
+    def __init__(self, raw: io.BufferedWriter) -> None:
+        super().__init__()
+        self._raw = raw
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        self._digest.update(view[:written])
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        self._raw.flush()  # so that an fsync on this descriptor covers every written byte
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.flush()
+        super().close()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP filesystem whose write streams record (size, sha256) per file path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as raw:
+            stream = HashingStream(raw)
+            yield stream
+            stream.close()
+            os.fsync(raw.fileno())
+        with self._lock:
+            self.digests[os.path.basename(os.fspath(path))] = (stream.size, stream.hexdigest())
+
+
+def hashing_writer(path: str, *, thread_count: int) -> tuple[FileSystemWriter, HashingFileSystem]:
+    # sync_files=False: the stream fsyncs once, after the last byte is flushed
+    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=False,
+                              thread_count=thread_count, overwrite=True)
+    filesystem = HashingFileSystem()
+    writer.fs = filesystem
+    return writer, filesystem
