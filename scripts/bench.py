@@ -94,7 +94,7 @@ class Ctx:
         benchlib.barrier()
 
 
-def profile_text(profiler: cProfile.Profile, top: int = 30, sort: str = "cumulative") -> str:
+def profile_text(profiler: cProfile.Profile, top: int = 40, sort: str = "cumulative") -> str:
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.strip_dirs().sort_stats(sort).print_stats(top)
