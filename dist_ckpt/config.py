@@ -28,6 +28,7 @@ class CheckpointConfig(BaseModel):
     commit_timeout_s: float = Field(default=300.0, gt=0)
     close_timeout_s: float = Field(default=600.0, gt=0)
     io_threads: int = Field(default=1, ge=1, le=32)
+    background_nice: int = Field(default=10, ge=0, le=19)  # CPU priority drop of background saves
     keep_last: int | None = Field(default=None, ge=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
     cache_dir: str | None = None  # local scratch for object-store roots (default: a temp dir)

@@ -110,6 +110,25 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int) -> tuple[
     return entries, pickle.dumps(results)
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Raise this thread's nice value by ``nice`` (Linux: per thread, inherited by threads it
+    starts), so background checkpoint work yields the CPU to the training loop."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    thread_id = threading.get_native_id()
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, thread_id)
+        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, current + nice))
+    except OSError:
+        pass
+
+
+def run_save_in_background(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float,
+                           nice: int) -> None:
+    lower_thread_priority(nice)
+    run_save(job, comm, io_threads, commit_timeout_s)
+
+
 def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float) -> None:
     """Drive one save on this rank (see the module docstring); never raises, sets job.error."""
     request = job.request

@@ -23,7 +23,7 @@ from . import codec, retention
 from . import contract as contract_mod
 from .comm import Comm
 from .config import CheckpointConfig
-from .coordinator import SaveJob, SaveRequest, run_save
+from .coordinator import SaveJob, SaveRequest, run_save, run_save_in_background
 from .errors import CommitError, GenerationExists, NotAtOptimizerBoundary
 from .inventory import GenerationInfo, inventory
 from .manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
@@ -182,7 +182,8 @@ class CheckpointManager:
         self.stats.started += 1
         args = (job, self.comm, self.config.io_threads, self.config.commit_timeout_s)
         if self.config.async_save:
-            job.thread = threading.Thread(target=run_save, args=args, daemon=True,
+            job.thread = threading.Thread(target=run_save_in_background,
+                                          args=(*args, self.config.background_nice), daemon=True,
                                           name=f"dist-ckpt-save-{name}")
             self._jobs.append(job)
             job.thread.start()

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .comm import Comm
+from .coordinator import lower_thread_priority
 from .errors import DistCkptError
 from .manifest import Manifest
 from .remote import commit_manifest, upload_files
@@ -128,6 +129,7 @@ class MirrorUploader:
 
     # ---- all ranks ---------------------------------------------------------------------
     def _run(self) -> None:
+        lower_thread_priority(10)
         while True:
             self._seq += 1
             seq_key = f"mirror/seq/{self._seq}"

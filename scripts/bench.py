@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import cProfile
 import ctypes
 import hashlib
@@ -236,35 +237,70 @@ def dcp_saves(ctx: Ctx, index: int, out: dict[str, list[float]]) -> None:
     ctx.drop(*paths)
 
 
+@contextlib.contextmanager
+def profiled_background(ctx: Ctx, name: str):
+    """With --profile on rank 0: the background ``run_save`` of saves started inside runs under
+    cProfile (cProfile sees one thread; the manager's name for run_save is swapped meanwhile)."""
+    import dist_ckpt.manager as manager_mod
+
+    original = manager_mod.run_save
+    if not (ctx.cfg["profile"] and ctx.rank == 0):
+        yield
+        return
+    profiler = cProfile.Profile()
+    manager_mod.run_save = lambda *args: profiler.runcall(original, *args)
+    try:
+        yield
+    finally:
+        manager_mod.run_save = original
+    if profiler.getstats():
+        ctx.profiles[name] = profile_text(profiler)
+
+
+def round_steps(ctx: Ctx, index: int, amgr, smgr, async_root: str, out: dict) -> list[Callable[[], Any]]:
+    """The measurements of one round; the first is our async save (round 0 runs in this order,
+    so the raw write finds a committed generation to size itself on)."""
+    views = byte_views(ctx.buffers)
+
+    def copy() -> None:
+        benchlib.barrier()
+        out["copy"].append(benchlib.copy_floor(ctx.tensors, ctx.buffers))
+
+    def write() -> None:
+        out["raw_write"].append(raw_write_share(ctx, generation_files(async_root)[2], views))
+
+    return [lambda: our_save(amgr, index + 1, out["async"]), copy, write,
+            lambda: dcp_saves(ctx, index, out), lambda: our_save(smgr, index + 1, out["sync"])]
+
+
 def phase_saves(ctx: Ctx) -> dict:
-    """Rounds of: train step, our async save, copy floor, raw write, DCP async + sync, our sync
-    save -- interleaved so that drifting machine load hits every series alike. Round 0 holds
+    """Rounds of: train step, then our async save, copy floor, raw write, DCP async + sync, our
+    sync save -- interleaved so that drifting machine load hits every series alike, in reverse
+    order every other round (no series always follows the deletions of another). Round 0 holds
     the first saves. The sync root is kept for the restore phases."""
     from dist_ckpt import CheckpointConfig, CheckpointManager
 
     roots = {mode: os.path.join(ctx.base, f"ours-{mode}") for mode in ("async", "sync")}
     out: dict[str, Any] = {mode: {"block": [], "e2e": []} for mode in roots}
     out.update(copy=[], raw_write=[], dcp_async_block=[], dcp_async_e2e=[], dcp_sync=[])
-    views = byte_views(ctx.buffers)
     configs = {mode: CheckpointConfig(root=root, async_save=mode == "async", keep_last=2)
                for mode, root in roots.items()}
     with CheckpointManager(configs["async"], ctx.state) as amgr, \
             CheckpointManager(configs["sync"], ctx.state) as smgr:
         for index in range(ctx.repeats + 1):
             ctx.step()
-            our_save(amgr, index + 1, out["async"])
-            benchlib.barrier()
-            out["copy"].append(benchlib.copy_floor(ctx.tensors, ctx.buffers))
-            _, _, generation_bytes = generation_files(roots["async"])
-            out["raw_write"].append(raw_write_share(ctx, generation_bytes, views))
-            dcp_saves(ctx, index, out)
-            our_save(smgr, index + 1, out["sync"])
+            steps = round_steps(ctx, index, amgr, smgr, roots["async"], out)
+            for step in steps if index % 2 == 0 else reversed(steps):  # alternate the order
+                step()
         extra = ctx.repeats + 2  # one more save each, not measured, under cProfile on rank 0
         for mode, mgr in (("async", amgr), ("sync", smgr)):
             ctx.step()
             benchlib.barrier()
-            ctx.profiled(f"{mode} save() rank 0", lambda m=mgr: m.save(extra))
-            mgr.wait()
+            background = profiled_background(ctx, "async save, background run_save() rank 0") \
+                if mode == "async" else contextlib.nullcontext()
+            with background:
+                ctx.profiled(f"{mode} save() rank 0", lambda m=mgr: m.save(extra))
+                mgr.wait()
     ctx.drop(roots["async"])
     name, files, total = generation_files(roots["sync"])
     out["generation"], out["generation_bytes"], out["generation_files"] = name, total, len(files)
