@@ -239,20 +239,22 @@ def dcp_saves(ctx: Ctx, index: int, out: dict[str, list[float]]) -> None:
 
 @contextlib.contextmanager
 def profiled_background(ctx: Ctx, name: str):
-    """With --profile on rank 0: the background ``run_save`` of saves started inside runs under
-    cProfile (cProfile sees one thread; the manager's name for run_save is swapped meanwhile)."""
+    """With --profile on rank 0: the background thread of saves started inside runs under
+    cProfile (cProfile sees one thread; the manager's name for its thread target is swapped
+    meanwhile: ``run_save_in_background`` where the library has it, else ``run_save``)."""
     import dist_ckpt.manager as manager_mod
 
-    original = manager_mod.run_save
+    target = "run_save_in_background" if hasattr(manager_mod, "run_save_in_background") else "run_save"
+    original = getattr(manager_mod, target)
     if not (ctx.cfg["profile"] and ctx.rank == 0):
         yield
         return
     profiler = cProfile.Profile()
-    manager_mod.run_save = lambda *args: profiler.runcall(original, *args)
+    setattr(manager_mod, target, lambda *args: profiler.runcall(original, *args))
     try:
         yield
     finally:
-        manager_mod.run_save = original
+        setattr(manager_mod, target, original)
     if profiler.getstats():
         ctx.profiles[name] = profile_text(profiler)
 
@@ -296,7 +298,7 @@ def phase_saves(ctx: Ctx) -> dict:
         for mode, mgr in (("async", amgr), ("sync", smgr)):
             ctx.step()
             benchlib.barrier()
-            background = profiled_background(ctx, "async save, background run_save() rank 0") \
+            background = profiled_background(ctx, "async save, background thread rank 0") \
                 if mode == "async" else contextlib.nullcontext()
             with background:
                 ctx.profiled(f"{mode} save() rank 0", lambda m=mgr: m.save(extra))
