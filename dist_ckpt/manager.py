@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import codec, retention
@@ -71,6 +72,7 @@ class CheckpointManager:
             self._remove_stale_pending()
         self.comm.all_gather(None)  # nobody writes before stale pending directories are gone
         self.backend = self.remote if self.remote is not None else open_backend(config.root)
+        self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-prune")
         self.mirror = None
         self.uploader: MirrorUploader | None = None
         if config.mirror is not None:
@@ -79,8 +81,8 @@ class CheckpointManager:
                 self.comm, self.write_root, self.mirror, queue_length=config.mirror_queue,
                 concurrency=config.mirror_concurrency, timeout_s=config.mirror_timeout_s,
                 keep_last=config.mirror_keep_last)
-            if self.comm.rank == 0:
-                self.uploader.on_settled = self._prune_local
+            if self.comm.rank == 0 and config.keep_last:
+                self.uploader.on_settled = lambda: self._janitor.submit(self._prune_local)
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
         self.plans = SavePlanCache(self.comm)
         self.stats = SaveStats()
@@ -175,8 +177,9 @@ class CheckpointManager:
                 self.uploader.local_committed(name)
             if is_root and self.uploader is not None and finished.manifest_raw is not None:
                 self.uploader.enqueue(name, finished.manifest_raw)
-            if self.comm.rank == self.comm.fs_leader:
-                self._prune_local()
+            if self.comm.rank == self.comm.fs_leader and self.config.keep_last:
+                # off the commit path: wait() and the in-flight slot do not include deletions
+                self._janitor.submit(self._prune_local)
 
         job = SaveJob(request, on_done=on_done)
         self.stats.started += 1
@@ -255,6 +258,7 @@ class CheckpointManager:
         finally:
             if self.uploader is not None:
                 self.uploader.close(self.config.close_timeout_s)
+            self._janitor.shutdown(wait=True)
             self._closed = True
             if self.staging is not None and not self._jobs:
                 self.staging.free()

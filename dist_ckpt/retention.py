@@ -26,10 +26,20 @@ def prune(backend: Backend, committed: list[str], *, keep_last: int,
     dropped = to_drop(committed, keep_last=keep_last, pinned=pinned)
     for name in dropped if not dry_run else []:
         try:
-            backend.remove_tree(name)
+            _remove_generation(backend, name)
         except OSError as exc:
             log.warning("could not prune %s: %s", name, exc)
     return dropped
+
+
+def _remove_generation(backend: Backend, name: str) -> None:
+    """Remove the manifest first: a deletion cut short leaves an uncommitted directory, never
+    a committed generation with missing files."""
+    try:
+        backend.remove_tree(f"{name}/{MANIFEST_NAME}")
+    except FileNotFoundError:
+        pass
+    backend.remove_tree(name)
 
 
 @dataclass

@@ -97,7 +97,11 @@ class LocalBackend:
         return file_sha256(self._path(rel))[1]
 
     def remove_tree(self, rel: str) -> None:
-        shutil.rmtree(self._path(rel), ignore_errors=True)
+        path = self._path(rel)
+        if os.path.isfile(path) or os.path.islink(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     def dcp_reader(self, rel: str) -> StorageReader:
         return FileSystemReader(self._path(rel))
