@@ -142,6 +142,19 @@ class LatestPointer(BaseModel):
     format_version: int
     next_update: int
 
+    @staticmethod
+    def replaces(current_raw: bytes | None, manifest: Manifest) -> bool:
+        """Whether a pointer at ``manifest`` should replace the pointer ``current_raw``: it
+        never moves back to an older generation; a missing or corrupt pointer is replaced
+        (restore never trusts the pointer over validation)."""
+        if current_raw is None:
+            return True
+        try:
+            current = LatestPointer.model_validate_json(current_raw)
+        except ValueError:
+            return True
+        return current.next_update <= manifest.next_update
+
     @classmethod
     def for_manifest(cls, manifest: Manifest, raw: bytes) -> LatestPointer:
         return cls(generation=manifest.generation, manifest_sha256=hashlib.sha256(raw).hexdigest(),

@@ -129,13 +129,11 @@ def update_latest(root: str, manifest: Manifest, raw: bytes) -> None:
     path = os.path.join(root, LATEST_NAME)
     try:
         with open(path, "rb") as handle:
-            current = LatestPointer.model_validate_json(handle.read())
-        if current.next_update > manifest.next_update:
-            return
+            current: bytes | None = handle.read()
     except FileNotFoundError:
-        pass
-    except ValueError:
-        pass  # a corrupt pointer is replaced; restore never trusts it over validation
+        current = None
+    if not LatestPointer.replaces(current, manifest):
+        return
     pointer = LatestPointer.for_manifest(manifest, raw)
     try:
         atomic_write(path, pointer.model_dump_json().encode("utf-8"))

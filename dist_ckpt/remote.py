@@ -58,18 +58,10 @@ def commit_manifest(backend: ObjectStoreBackend, manifest: Manifest) -> bytes:
 
 def update_remote_latest(backend: ObjectStoreBackend, manifest: Manifest, raw: bytes) -> None:
     try:
-        current = LatestPointer.model_validate_json(backend.read_bytes(LATEST_NAME))
-        if current.next_update > manifest.next_update:
-            return
+        current: bytes | None = backend.read_bytes(LATEST_NAME)
     except FileNotFoundError:
-        pass
-    except ValueError:
-        pass  # a corrupt pointer is replaced; restore never trusts it over validation
+        current = None
+    if not LatestPointer.replaces(current, manifest):
+        return
     backend.put_bytes(LATEST_NAME, LatestPointer.for_manifest(manifest, raw).model_dump_json().encode())
 
-
-def read_remote_latest(backend: ObjectStoreBackend) -> LatestPointer | None:
-    try:
-        return LatestPointer.model_validate_json(backend.read_bytes(LATEST_NAME))
-    except (FileNotFoundError, ValueError):
-        return None

@@ -33,20 +33,7 @@ class Wide(torch.nn.Module):
 
 
 def build_job(state_mib: int, rank: int, world: int, kind: str = "fsdp"):
-    from torch.distributed.fsdp import fully_shard
-
-    from dist_ckpt import ResumableSampler, TrainState
-
-    torch.manual_seed(0)
-    model = Wide(state_mib, world)
-    if kind == "fsdp":
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    sampler = ResumableSampler(10_000, 2, rank=rank, world_size=world)
-    train_step(model, optimizer)
-    return model, optimizer, TrainState(model, optimizer, sampler=sampler)
+    return build_job_sized(state_mib, rank, world, world, kind)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
