@@ -36,6 +36,7 @@ from .staging import StagingPool
 from .state import TrainState
 from .storage import open_backend
 from .storage.objectstore import ObjectStoreBackend
+from .validate import list_pending
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -295,10 +296,10 @@ class CheckpointManager:
 
     def _remove_stale_pending(self) -> None:
         # no save of this job is in flight yet: pending directories are leftovers of a crash
-        for entry in os.listdir(self.write_root):
-            if entry.startswith(PENDING_PREFIX):
-                retention.log.info("removing stale pending directory %s", entry)
-                open_backend(self.write_root).remove_tree(entry)
+        scratch = open_backend(self.write_root)
+        for entry in list_pending(scratch):
+            log.info("removing stale pending directory %s", entry)
+            scratch.remove_tree(entry)
 
     def __enter__(self) -> CheckpointManager:
         return self

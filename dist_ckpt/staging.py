@@ -18,6 +18,26 @@ from torch.distributed.tensor import DTensor
 from .errors import StagingError
 
 
+def local_tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor of a (nested) state, DTensors as their local shards: what staging copies."""
+    out: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    return out
+
+
 class StagingSlot:
     def __init__(self, pool: StagingPool, index: int) -> None:
         self.pool = pool

@@ -44,22 +44,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None
 
 
 def local_tensors(state: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
+    from dist_ckpt.staging import local_tensors as staged_tensors
 
-    def walk(value: Any) -> None:
-        if hasattr(value, "to_local"):
-            value = value.to_local()
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
-        elif isinstance(value, list | tuple):
-            for item in value:
-                walk(item)
-
-    walk(state)
-    return out
+    return staged_tensors(state)
 
 
 def timed(fn: Callable[[], Any]) -> float:

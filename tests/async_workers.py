@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-
 from dist_ckpt import CommitError, faults
+from dist_ckpt.staging import local_tensors
 from tests import workers
 
 DEADLINE_S = 4.0
@@ -85,23 +84,7 @@ def slow_and_failing_ranks(rank: int, world: int, root: str) -> dict:
 
 
 def _local_state_bytes(job: workers.Job) -> int:
-    total = 0
-
-    def walk(value) -> None:
-        nonlocal total
-        if hasattr(value, "to_local"):
-            value = value.to_local()
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-        elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
-        elif isinstance(value, list | tuple):
-            for item in value:
-                walk(item)
-
-    walk(job.state.tensor_state())
-    return total
+    return sum(t.numel() * t.element_size() for t in local_tensors(job.state.tensor_state()))
 
 
 def in_flight_bound(rank: int, world: int, root: str) -> dict:
