@@ -213,6 +213,10 @@ class CheckpointManager:
     def _reap(self) -> None:
         for job in [j for j in self._jobs if j.done.is_set()]:
             self._jobs.remove(job)
+            if job.thread is not None:
+                # done is set as the thread's last step: a daemon thread still unwinding when
+                # the interpreter finalises would be killed inside native code
+                job.thread.join(timeout=10)
             if job.committed:
                 self.stats.committed += 1
             else:

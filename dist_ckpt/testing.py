@@ -7,9 +7,12 @@ per-rank return values (picklable), or raises the first rank's exception.
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,6 +31,8 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
            args: tuple, timeout_s: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # an abort in native code (gloo, c10d) then prints every thread's Python stack
+    faulthandler.enable(all_threads=True)
     import torch
 
     torch.set_num_threads(1)
@@ -37,8 +42,19 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
         result = fn(rank, world_size, *args)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as handle:
             pickle.dump(result, handle)
+        del result
+        # Free the scenario's modules now: FSDP state holds the default group in reference
+        # cycles, and a gloo worker thread that drops the last tensor of a finished collective
+        # during interpreter finalisation aborts the process (torch PR 179291).
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Results are on disk and every group is destroyed; skipping finalisation keeps
+    # exit-time races in third-party native threads out of the verdict.
+    os._exit(0)
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
