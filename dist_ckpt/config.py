@@ -37,6 +37,9 @@ class CheckpointConfig(BaseModel):
     mirror_concurrency: int = Field(default=4, ge=1, le=64)  # parallel object uploads per rank
     mirror_timeout_s: float = Field(default=1800.0, gt=0)
     mirror_keep_last: int | None = Field(default=None, ge=1)  # retention of the mirror tier
+    # refuse a save when the root's filesystem lacks room for one more generation (+ headroom)
+    check_free_space: bool = True
+    space_headroom_bytes: int = Field(default=64 << 20, ge=0)
     strict_torch_version: bool = False
     allow_contract_change: bool = False
 

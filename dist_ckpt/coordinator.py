@@ -4,7 +4,7 @@ Call order for a generation ``G`` (``run_save`` drives it on every rank, in the 
 thread for a synchronous save or in a background thread for an asynchronous one):
 
 1. ``write_rank_files`` (all ranks): DCP shard data and this rank's state files into the
-   private pending directory, each file fsynced, then read back for its sha256.
+   private pending directory, hashed (sha256) while it is written, each file fsynced.
 2. report (all ranks): ``G/report/<rank>`` in the store: files, sizes, digests, DCP write
    results, or the error.
 3. ``commit`` (rank 0): wait for every report until the deadline; write DCP ``.metadata``,
@@ -13,6 +13,10 @@ thread for a synchronous save or in a background thread for an asynchronous one)
    pending directory, publish nothing.
 4. outcome (rank 0 publishes ``G/outcome``; other ranks wait for it with a deadline and, on
    failure, remove what they wrote). No collective runs in this protocol.
+
+Store keys: reports are deleted by rank 0 once read. Readers of the outcome and of a
+node-copy (``published``, set by a group leader) key acknowledge it; the rank that set it
+deletes it once all have (``StoreKeyRetirer``), so a long run leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -76,6 +80,44 @@ class SaveJob:
     committed: bool = False
     duration_s: float = 0.0
     manifest_raw: bytes | None = None
+    store_keys: list[tuple[str, int]] = field(default_factory=list)  # (key set here, readers)
+
+
+class StoreKeyRetirer:
+    """Deletes the outcome and node-copy keys of finished saves once every reader has read them.
+
+    Readers acknowledge with ``store.add(<key>/read, 1)`` after reading a key; the rank that
+    set the key calls ``retire`` (from the thread that calls ``save()``) for each of its
+    finished jobs and deletes a key, and its acknowledgement counter, once the count reaches
+    the number of readers. A key whose reader gave up (deadline) is deleted after
+    ``max_age`` later saves, when nothing can still be waiting for it.
+    """
+
+    def __init__(self, comm: Comm, max_age: int = 64) -> None:
+        self.comm = comm
+        self.max_age = max_age
+        self.waiting: list[tuple[str, int, int]] = []  # key, readers, finished-save index
+        self.finished = 0
+
+    def retire(self, job: SaveJob) -> None:
+        self.finished += 1
+        self.waiting.extend((key, readers, self.finished) for key, readers in job.store_keys)
+        keep: list[tuple[str, int, int]] = []
+        for key, readers, index in self.waiting:
+            try:
+                read = self.comm.store.add(_ack_key(key), 0)
+                if read >= readers or self.finished - index >= self.max_age:
+                    self.comm.store.delete_key(key)
+                    self.comm.store.delete_key(_ack_key(key))
+                else:
+                    keep.append((key, readers, index))
+            except Exception:  # noqa: BLE001 - a leftover key costs bytes, never correctness
+                pass
+        self.waiting = keep
+
+
+def _ack_key(key: str) -> str:
+    return f"{key}/read"
 
 
 def _report_key(generation: str, nonce: str, rank: int) -> str:
@@ -94,7 +136,12 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int) -> tuple[
     os.makedirs(dcp_dir, exist_ok=True)
     os.makedirs(state_dir, exist_ok=True)
     writer, filesystem = hashing_writer(dcp_dir, thread_count=io_threads)
-    results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()
+    try:
+        results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()
+    except Exception as exc:
+        if filesystem.errors:
+            raise filesystem.errors[0] from exc
+        raise
     entries = [{"path": f"{DCP_DIR}/{name}", "size": size, "sha256": digest, "rank": rank}
                for name, (size, digest) in sorted(filesystem.digests.items())]
     state_files = [(rank_state_file(rank), request.rank_state)]
@@ -152,6 +199,7 @@ def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float)
         if comm.rank == 0:
             outcome = commit(request, comm, commit_timeout_s)
             comm.store_set(_outcome_key(request.generation, nonce), json.dumps(outcome).encode())
+            job.store_keys.append((_outcome_key(request.generation, nonce), comm.world_size - 1))
         else:
             outcome = _await_outcome(request, comm, commit_timeout_s)
             if not outcome["ok"] or request.remote is not None:
@@ -160,6 +208,9 @@ def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float)
             job.manifest_raw = outcome["manifest"].encode("utf-8")
             if request.remote is None and not comm.root_group_has_rank0:
                 _publish_node_copy(request, comm, job.manifest_raw, commit_timeout_s)
+                if comm.rank == comm.fs_leader:
+                    job.store_keys.append((_published_key(request, comm.fs_leader),
+                                           len(comm.fs_group) - 1))
             job.committed = True
         else:
             failures = {int(r): m for r, m in outcome["failures"].items()}
@@ -182,7 +233,9 @@ def _await_outcome(request: SaveRequest, comm: Comm, commit_timeout_s: float) ->
     remaining = commit_timeout_s - (time.monotonic() - request.started) + max(30.0, commit_timeout_s)
     if comm.store_wait([key], remaining):
         return {"ok": False, "failures": {"0": "rank 0 published no outcome before the deadline"}}
-    return json.loads(comm.store_get(key))
+    outcome = json.loads(comm.store_get(key))
+    comm.store.add(_ack_key(key), 1)
+    return outcome
 
 
 def _published_key(request: SaveRequest, leader: int) -> str:
@@ -200,6 +253,8 @@ def _publish_node_copy(request: SaveRequest, comm: Comm, manifest_raw: bytes,
     elif comm.store_wait([key], commit_timeout_s):
         raise CommitError(f"rank {comm.fs_leader} did not publish this node's copy of "
                           f"{request.generation}", generation=request.generation)
+    else:
+        comm.store.add(_ack_key(key), 1)
 
 
 def _remove_own_files(request: SaveRequest, entries: list[dict]) -> None:

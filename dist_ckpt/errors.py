@@ -71,3 +71,13 @@ class CommitError(DistCkptError):
 
 class StorageError(DistCkptError):
     """The storage backend failed (missing root, I/O error, disk full)."""
+
+
+class InsufficientSpace(StorageError):
+    """A filesystem lacks room for one more generation. ``shortfalls`` maps the rank that
+    checked (the lowest rank writing to that filesystem) -> the reason."""
+
+    def __init__(self, message: str, *, shortfalls: dict[int, str]):
+        self.shortfalls = dict(shortfalls)
+        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.shortfalls.items()))
+        super().__init__(f"{message} ({detail})")

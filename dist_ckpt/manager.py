@@ -24,7 +24,7 @@ from . import codec, retention
 from . import contract as contract_mod
 from .comm import Comm
 from .config import CheckpointConfig
-from .coordinator import SaveJob, SaveRequest, run_save, run_save_in_background
+from .coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save, run_save_in_background
 from .errors import CommitError, GenerationExists, NotAtOptimizerBoundary
 from .inventory import GenerationInfo, inventory
 from .manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
@@ -32,6 +32,7 @@ from .mirror import MirrorUploader
 from .planning import SavePlanCache, layout_fingerprint
 from .publish import PublishInfo
 from .restore import RestoreResult, load_generation, select_generation
+from .space import check_space, free_bytes
 from .staging import StagingPool
 from .state import TrainState
 from .storage import open_backend
@@ -88,6 +89,7 @@ class CheckpointManager:
         self.plans = SavePlanCache(self.comm)
         self.stats = SaveStats()
         self._jobs: list[SaveJob] = []
+        self._retirer = StoreKeyRetirer(self.comm)
         self._unraised: dict[str, CommitError] = {}
         self._raised: set[str] = set()
         self._lock = threading.Lock()
@@ -114,6 +116,7 @@ class CheckpointManager:
                 raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
             if agreed[0]["exists"]:
                 raise GenerationExists(f"{name} is already committed under {self.config.root}")
+            check_space(agreed, self.config.space_headroom_bytes, self.write_root)
             if not any(f["busy"] for f in agreed):
                 break
             if self.config.in_flight_policy == "skip":
@@ -136,11 +139,22 @@ class CheckpointManager:
             "errors": sorted(self._unraised),
             "boundary": self.state.at_optimizer_boundary(),
             "cached": fingerprint == self.plans.fingerprint,
+            "space": self._space_facts(fingerprint),
         }
         if self.comm.rank == 0:
             facts["exists"] = self.backend.exists(f"{name}/{MANIFEST_NAME}")
             facts["nonce"] = f"{PENDING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         return self.comm.all_gather(facts)
+
+    def _space_facts(self, fingerprint: str) -> dict | None:
+        # the first save of a layout has no plan yet: it is not checked (an ENOSPC during
+        # the write still fails it cleanly), later saves know exactly what each rank writes
+        if not self.config.check_free_space or fingerprint != self.plans.fingerprint:
+            return None
+        free = free_bytes(self.write_root) if self.comm.rank == self.comm.fs_leader else None
+        # saves still in flight may not have written their files yet: count them in full
+        per_save = self.plans.plan_bytes or 0
+        return {"leader": self.comm.fs_leader, "bytes": per_save * (1 + len(self._jobs)), "free": free}
 
     def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
                fingerprint: str, all_cached: bool, nonce: str) -> SaveJob:
@@ -217,6 +231,7 @@ class CheckpointManager:
                 # done is set as the thread's last step: a daemon thread still unwinding when
                 # the interpreter finalises would be killed inside native code
                 job.thread.join(timeout=10)
+            self._retirer.retire(job)
             if job.committed:
                 self.stats.committed += 1
             else:

@@ -67,6 +67,7 @@ class SavePlanCache:
         self._plan: SavePlan | None = None
         self._metadata: Metadata | None = None
         self.planning_rounds = 0
+        self.plan_bytes: int | None = None  # tensor bytes this rank writes under the cached plan
 
     def prepare(self, state: Any, fingerprint: str, all_cached: bool) -> PreparedSave:
         """All ranks call this together; ``all_cached`` must be the agreed value."""
@@ -85,5 +86,16 @@ class SavePlanCache:
                             for i, p in enumerate(global_plans)]
         final_plan = planner.finish_plan(self.comm.scatter(global_plans))
         self.fingerprint, self._plan, self._metadata = fingerprint, final_plan, metadata
+        self.plan_bytes = plan_bytes(final_plan)
         self.planning_rounds += 1
         return PreparedSave(planner, final_plan, copy.copy(metadata), reused=False)
+
+
+def plan_bytes(plan: SavePlan) -> int:
+    """Tensor bytes a per-rank plan writes (DCP dedup already removed replicated copies)."""
+    total = 0
+    for item in plan.items:
+        if item.tensor_data is not None:
+            element = torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+            total += item.tensor_data.size.numel() * element
+    return total

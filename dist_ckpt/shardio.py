@@ -20,18 +20,26 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 
 class HashingStream(io.RawIOBase):
-    def __init__(self, raw: io.BufferedWriter) -> None:
+    def __init__(self, raw: io.BufferedWriter, on_error: Any = None) -> None:
         super().__init__()
         self._raw = raw
         self._digest = hashlib.sha256()
         self.size = 0
+        self._on_error = on_error
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
-        written = self._raw.write(view)
+        try:
+            written = self._raw.write(view)
+        except OSError as exc:
+            # torch.save's native writer reports a failed write as "unexpected pos": keep
+            # the real cause (ENOSPC, EIO) for the rank's report
+            if self._on_error is not None:
+                self._on_error(exc)
+            raise
         self._digest.update(view[:written])
         self.size += written
         return written
@@ -61,6 +69,7 @@ class HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.digests: dict[str, tuple[int, str]] = {}
+        self.errors: list[OSError] = []  # write errors, in the order they happened
         self._lock = threading.Lock()
 
     @contextmanager
@@ -70,7 +79,7 @@ class HashingFileSystem(FileSystem):
                 yield stream
             return
         with open(path, mode) as raw:
-            stream = HashingStream(raw)
+            stream = HashingStream(raw, on_error=self.errors.append)
             yield stream
             stream.close()
             os.fsync(raw.fileno())

@@ -111,3 +111,22 @@ def in_flight_bound(rank: int, world: int, root: str) -> dict:
         mgr.close()
     faults.configure(None)
     return out
+
+
+def store_keys_after_saves(rank: int, world: int, root: str) -> dict:
+    """Four async saves; which per-save store keys are still present afterwards."""
+    from dist_ckpt.coordinator import _outcome_key
+
+    job = workers.build("ddp", rank, world)
+    mgr = workers.manager(job, root, async_save=True, max_in_flight=1)
+    keys = []
+    for update in range(1, 5):
+        workers.train_step(job)
+        saved = mgr.save(update)
+        keys.append(_outcome_key(saved.request.generation, saved.request.pending_name))
+        mgr.wait()
+    mgr.comm.all_gather(None)  # every rank's last acknowledgement is in the store
+    present = [mgr.comm.store.check([key]) for key in keys]
+    acks = [mgr.comm.store.check([f"{key}/read"]) for key in keys]
+    mgr.close()
+    return {"present": present, "acks": acks}

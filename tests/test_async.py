@@ -112,3 +112,11 @@ def test_in_flight_bound_and_staging_reuse(tmp_path) -> None:
         assert block["peak"] == block["state_bytes"]
         assert skip["peak"] == skip["state_bytes"]
         assert two["peak"] == 2 * two["state_bytes"]
+
+
+def test_store_keys_of_finished_saves_are_deleted(tmp_path) -> None:
+    ranks = run_ranks(2, async_workers.store_keys_after_saves, str(tmp_path))
+    # rank 0 deletes an outcome (and its acknowledgement counter) once rank 1 read it; the
+    # newest may still wait for its acknowledgement when rank 0 reaped its job
+    assert ranks[0]["present"][:3] == [False, False, False]
+    assert ranks[0]["acks"][:3] == [False, False, False]
