@@ -10,7 +10,11 @@ Protocol (one uploader thread per rank; coordination only through the c10d store
 3. rank 0, once every rank reported within ``mirror_timeout_s``, creates the remote manifest
    last (conditional create), moves the remote ``latest.json``, and records the generation as
    the last completed remote one in the local ``mirror.json``. An enqueued or half-uploaded
-   generation is never recorded as durable.
+   generation is never recorded as durable. Rank 0 then deletes that sequence's store keys.
+
+Local retention: rank 0 keeps the set of generations it still has to upload (queued and
+active) in the store key ``mirror/pinned``; every rank's ``pending()`` reads it, so the
+leader of a node without rank 0 never prunes a generation the mirror still needs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from .storage.objectstore import ObjectStoreBackend
 log = logging.getLogger(__name__)
 MIRROR_STATE = "mirror.json"
 _STOP = "__stop__"
+PINNED_KEY = "mirror/pinned"
 
 
 @dataclass
@@ -91,7 +96,13 @@ class MirrorUploader:
                 log.warning("mirror behind: skipping upload of %s (keeping the newest)", skipped)
                 self._record(skipped=skipped)
             self.stats.max_queue = max(self.stats.max_queue, len(self._queue))
+            self._publish_pinned()
             self._cond.notify_all()
+
+    def _publish_pinned(self) -> None:
+        # caller holds self._cond; generations still to upload, for followers' retention
+        names = sorted({g for g, _ in self._queue} | ({self._active} if self._active else set()))
+        self.comm.store_set(PINNED_KEY, json.dumps(names).encode())
 
     # ---- all ranks ---------------------------------------------------------------------
     def local_committed(self, generation: str) -> None:
@@ -113,9 +124,17 @@ class MirrorUploader:
         return True
 
     def pending(self) -> set[str]:
-        """Generations queued or being uploaded: local retention must keep them."""
+        """Generations queued or being uploaded (by any rank): local retention keeps them."""
         with self._cond:
-            return {g for g, _ in self._queue} | ({self._active} if self._active else set())
+            mine = {g for g, _ in self._queue} | ({self._active} if self._active else set())
+        if self.comm.rank == 0:
+            return mine
+        try:
+            if self.comm.store.check([PINNED_KEY]):
+                mine |= set(json.loads(self.comm.store_get(PINNED_KEY)))
+        except Exception:  # noqa: BLE001 - without rank 0's view, keep what this rank knows
+            log.warning("could not read the mirror's pinned generations; pruning without them")
+        return mine
 
     def _next(self) -> tuple[str, bytes] | None:
         with self._cond:
@@ -125,6 +144,7 @@ class MirrorUploader:
                 return None
             item = self._queue.popleft()
             self._active = item[0]
+            self._publish_pinned()
             return item
 
     # ---- all ranks ---------------------------------------------------------------------
@@ -144,11 +164,15 @@ class MirrorUploader:
                 announce = json.loads(self.comm.store_get(seq_key))
             if announce["generation"] == _STOP:
                 return
+            with self._cond:
+                self._active = announce["generation"]
             try:
                 self._replicate(announce["generation"], announce["manifest"].encode("utf-8"))
             finally:
                 with self._cond:
                     self._active = None
+                    if self.comm.rank == 0:
+                        self._publish_pinned()
                     self._cond.notify_all()
 
     def _replicate(self, generation: str, manifest_raw: bytes) -> None:
@@ -182,6 +206,9 @@ class MirrorUploader:
             report = json.loads(self.comm.store_get(key))
             if not report["ok"]:
                 errors[key] = report["error"]
+        if not missing:  # every rank read the announcement and reported: nobody reads these again
+            for key in keys + [f"mirror/seq/{self._seq}"]:
+                self.comm.store.delete_key(key)
         try:
             if errors:
                 raise DistCkptError(f"mirror upload of {generation} failed: {errors}")
@@ -194,9 +221,10 @@ class MirrorUploader:
             log.error("mirror upload of %s failed: %s", generation, exc)
             self.stats.failed[generation] = str(exc)
             self._record(failed=generation, reason=str(exc))
+        with self._cond:
+            self._active = None  # the settled generation no longer pins local retention
+            self._publish_pinned()
         if self.on_settled is not None:
-            with self._cond:
-                self._active = None  # the settled generation no longer pins local retention
             self.on_settled()
 
     def _record(self, *, completed: Manifest | None = None, skipped: str | None = None,

@@ -1,0 +1,44 @@
+"""Local retention on a node without rank 0 must keep what rank 0's mirror queue still needs."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from dist_ckpt.comm import Comm
+from dist_ckpt.mirror import MirrorUploader
+
+
+def test_followers_see_rank0_queue_as_pinned(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    release = threading.Event()
+    started = {0: threading.Event(), 1: threading.Event()}
+
+    def blocked_replicate(self: MirrorUploader, generation: str, manifest_raw: bytes) -> None:
+        if generation == "gen-000000000001":
+            started[self.comm.rank].set()
+            assert release.wait(30)
+
+    monkeypatch.setattr(MirrorUploader, "_replicate", blocked_replicate)
+    rank0, rank1 = Comm(), Comm()
+    rank1.store = rank0.store  # one c10d store, two ranks
+    for rank, comm in enumerate((rank0, rank1)):
+        comm.rank, comm.world_size = rank, 2
+    mirror = SimpleNamespace(root="memory://mirror")
+    uploaders = [MirrorUploader(comm, str(tmp_path), mirror, queue_length=2, concurrency=1,  # type: ignore[arg-type]
+                                timeout_s=30) for comm in (rank0, rank1)]
+    try:
+        uploaders[0].enqueue("gen-000000000001", b"{}")
+        assert started[0].wait(30) and started[1].wait(30)  # both ranks are uploading gen 1
+        for update in (2, 3):  # queued behind it on rank 0
+            uploaders[0].enqueue(f"gen-{update:012d}", b"{}")
+        expected = {"gen-000000000001", "gen-000000000002", "gen-000000000003"}
+        assert uploaders[0].pending() == expected
+        assert uploaders[1].pending() == expected  # rank 1 queues nothing itself
+    finally:
+        release.set()
+        for uploader in uploaders:
+            uploader.close(30)
+    assert not any(u._thread.is_alive() for u in uploaders)
+    assert uploaders[1].pending() == set()  # everything settled: nothing pinned any more
