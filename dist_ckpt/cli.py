@@ -18,6 +18,7 @@ from .inventory import GenerationInfo, inventory
 from .manifest import LATEST_NAME, PENDING_PREFIX, LatestPointer, Manifest, check_generation_name
 from .mirror import read_mirror_state
 from .retention import prune, prune_object_store
+from .signing import KEY_ENV, key_from_env
 from .storage.base import Backend, is_remote, open_backend
 from .storage.objectstore import ObjectStoreBackend
 from .validate import list_generations, read_manifest, validate
@@ -90,7 +91,7 @@ def sorted_inventory(backend: Backend) -> list[GenerationInfo]:
         number = update_number(info)
         return -1 if number is None else number
 
-    return sorted(inventory(backend, digests=False), key=key, reverse=True)
+    return sorted(inventory(backend, digests=False, key=key_from_env()), key=key, reverse=True)
 
 
 def ls_record(info: GenerationInfo, latest: str | None) -> dict[str, Any]:
@@ -199,7 +200,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     backend = open_root(args.root)
     name = default_committed(backend) if args.generation is None else \
         checked_generation(backend, args.generation)
-    manifest = read_manifest(backend, name)  # ValidationError -> exit 1 in main
+    manifest = read_manifest(backend, name, key=key_from_env())  # ValidationError -> exit 1
     if args.json:
         print(manifest.model_dump_json(indent=1))
         return 0
@@ -210,13 +211,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def verify_result(backend: Backend, name: str) -> dict[str, Any]:
     try:
-        manifest = validate(backend, name, digests=True)
+        manifest = validate(backend, name, digests=True, key=key_from_env())
     except ValidationError as exc:
         return {"generation": name, "ok": False, "reason": str(exc), "path": exc.path}
     except OSError as exc:
         return {"generation": name, "ok": False, "reason": f"unreadable: {exc}",
                 "path": getattr(exc, "filename", None)}
     reason = f"{len(manifest.files)} files, {manifest.total_bytes} bytes, sha256 verified"
+    if key_from_env() is not None:
+        reason += f", signature verified (key from {KEY_ENV})"
     return {"generation": name, "ok": True, "reason": reason, "path": None}
 
 

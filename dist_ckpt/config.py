@@ -5,9 +5,18 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
+from .signing import KEY_ENV
 
 ROOT_ENV = "DIST_CKPT_ROOT"
 
@@ -40,6 +49,9 @@ class CheckpointConfig(BaseModel):
     # refuse a save when the root's filesystem lacks room for one more generation (+ headroom)
     check_free_space: bool = True
     space_headroom_bytes: int = Field(default=64 << 20, ge=0)
+    # HMAC key for manifest signatures (default: $DIST_CKPT_HMAC_KEY); with a key, saves sign
+    # and restore trusts only manifests whose signature verifies
+    hmac_key: SecretStr | None = Field(default=None, validate_default=True)
     strict_torch_version: bool = False
     allow_contract_change: bool = False
 
@@ -65,6 +77,22 @@ class CheckpointConfig(BaseModel):
         if "://" not in text:
             text = os.path.abspath(text)
         return text
+
+    @field_validator("hmac_key", mode="before")
+    @classmethod
+    def _key_from_env(cls, value: object) -> object:
+        if value is None or value == "":
+            value = os.environ.get(KEY_ENV) or None
+        if isinstance(value, bytes):
+            value = value.decode("utf-8")
+        if value is not None and len(str(value if not isinstance(value, SecretStr)
+                                         else value.get_secret_value())) < 16:
+            raise ValueError("hmac_key must be at least 16 characters")
+        return value
+
+    @property
+    def signing_key(self) -> bytes | None:
+        return None if self.hmac_key is None else self.hmac_key.get_secret_value().encode("utf-8")
 
     @model_validator(mode="after")
     def _check_retention(self) -> CheckpointConfig:

@@ -58,6 +58,7 @@ class SaveRequest:
     info: PublishInfo | None  # rank 0 only
     remote: ObjectStoreBackend | None = None  # set when the root is an object store
     local_ranks: frozenset[int] | None = None  # ranks whose files this node's disk holds
+    signing_key: bytes | None = field(default=None, repr=False)  # HMAC key for manifest.sig
     started: float = field(default_factory=time.monotonic)
 
     @property

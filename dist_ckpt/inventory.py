@@ -21,10 +21,11 @@ class GenerationInfo:
     manifest: Manifest | None = None
 
 
-def inspect_generation(backend: Backend, name: str, *, digests: bool) -> GenerationInfo:
+def inspect_generation(backend: Backend, name: str, *, digests: bool,
+                       key: bytes | None = None) -> GenerationInfo:
     number = parse_generation(name)
     try:
-        manifest = check_structure(backend, name)
+        manifest = check_structure(backend, name, key=key)
         check_sizes(backend, name, manifest)
         if digests:
             check_digests(backend, name, manifest)
@@ -35,8 +36,9 @@ def inspect_generation(backend: Backend, name: str, *, digests: bool) -> Generat
     return GenerationInfo(name, number, "committed", manifest.total_bytes, manifest=manifest)
 
 
-def inventory(backend: Backend, *, digests: bool) -> list[GenerationInfo]:
-    infos = [inspect_generation(backend, name, digests=digests)
+def inventory(backend: Backend, *, digests: bool, key: bytes | None = None) -> list[GenerationInfo]:
+    """Every generation and pending directory; with ``key``, unsigned manifests are invalid."""
+    infos = [inspect_generation(backend, name, digests=digests, key=key)
              for name in list_generations(backend)]
     for name in list_pending(backend):
         infos.append(GenerationInfo(name, None, "pending", reason="not committed (in flight "

@@ -82,7 +82,7 @@ class CheckpointManager:
             self.uploader = MirrorUploader(
                 self.comm, self.write_root, self.mirror, queue_length=config.mirror_queue,
                 concurrency=config.mirror_concurrency, timeout_s=config.mirror_timeout_s,
-                keep_last=config.mirror_keep_last)
+                keep_last=config.mirror_keep_last, signing_key=config.signing_key)
             if self.comm.rank == 0 and config.keep_last:
                 self.uploader.on_settled = lambda: self._janitor.submit(self._prune_local)
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
@@ -174,7 +174,7 @@ class CheckpointManager:
         request = SaveRequest(
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
             root=self.write_root, pending_name=nonce, prepared=prepared, remote=self.remote,
-            local_ranks=frozenset(self.comm.fs_group),
+            local_ranks=frozenset(self.comm.fs_group), signing_key=self.config.signing_key,
             rank_state=codec.dumps(state.rank_state()),
             global_state=codec.dumps(state.global_state()) if is_root else None,
             info=PublishInfo(world_size=self.comm.world_size, components=list(state.components),
@@ -295,7 +295,8 @@ class CheckpointManager:
         """Load the newest generation that validates (all ranks); a fresh start if none."""
         self._check_open()
         tiers = [self.backend] + ([self.mirror] if self.mirror is not None else [])
-        name, manifest, backend, rejected = select_generation(self.comm, tiers, digests=verify_digests)
+        name, manifest, backend, rejected = select_generation(self.comm, tiers, digests=verify_digests,
+                                                              key=self.config.signing_key)
         for problem in rejected:
             log.warning("rejected generation %s", problem)
         if name is None or manifest is None:

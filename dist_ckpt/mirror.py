@@ -65,8 +65,10 @@ class MirrorUploader:
     """One per rank; ``enqueue`` is called on rank 0 only, ``close`` on every rank."""
 
     def __init__(self, comm: Comm, local_root: str, mirror: ObjectStoreBackend, *, queue_length: int,
-                 concurrency: int, timeout_s: float, keep_last: int | None = None) -> None:
+                 concurrency: int, timeout_s: float, keep_last: int | None = None,
+                 signing_key: bytes | None = None) -> None:
         self.keep_last = keep_last
+        self.signing_key = signing_key
         self.on_settled: Callable[[], None] | None = None  # rank 0: after each upload settles
         self.comm = comm
         self.local_root = local_root
@@ -212,7 +214,8 @@ class MirrorUploader:
         try:
             if errors:
                 raise DistCkptError(f"mirror upload of {generation} failed: {errors}")
-            commit_manifest(self.mirror, manifest.model_copy(update={"data_dir": data_dir}))
+            commit_manifest(self.mirror, manifest.model_copy(update={"data_dir": data_dir}),
+                            key=self.signing_key)
             self.stats.completed.append(generation)
             self._record(completed=manifest)
             if self.keep_last is not None:

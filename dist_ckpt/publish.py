@@ -30,6 +30,7 @@ from .manifest import (
     Manifest,
 )
 from .remote import commit_manifest, upload_files
+from .signing import SIGNATURE_NAME, sign
 from .storage.local import (
     LocalBackend,
     atomic_write,
@@ -73,7 +74,7 @@ def publish_generation(request: SaveRequest, info: PublishInfo, entries: list[di
         upload_files(request.remote, pending, request.generation, request.data_dir,
                      [metadata_entry.model_dump()])
         faults.hit("commit.before_rename", 0)
-        commit_manifest(request.remote, manifest)
+        commit_manifest(request.remote, manifest, key=request.signing_key)
         return manifest
     raw = manifest.to_bytes()
     _rename_into_place(request, raw)
@@ -88,6 +89,8 @@ def publish_generation(request: SaveRequest, info: PublishInfo, entries: list[di
 
 def _rename_into_place(request: SaveRequest, manifest_raw: bytes) -> None:
     pending = request.pending
+    if request.signing_key is not None:  # before the manifest: the manifest is the commit point
+        write_durable(os.path.join(pending, SIGNATURE_NAME), sign(request.signing_key, manifest_raw))
     write_durable(os.path.join(pending, MANIFEST_NAME), manifest_raw)
     for directory in (os.path.join(pending, DCP_DIR), os.path.join(pending, STATE_DIR), pending):
         if os.path.isdir(directory):

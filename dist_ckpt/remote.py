@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from . import faults
 from .errors import StorageError
 from .manifest import LATEST_NAME, MANIFEST_NAME, LatestPointer, Manifest
+from .signing import SIGNATURE_NAME, sign
 from .storage.objectstore import ObjectStoreBackend
 from .validate import check_sizes, check_structure
 
@@ -46,11 +47,14 @@ def upload_files(backend: ObjectStoreBackend, local_base: str, generation: str, 
         list(pool.map(one, entries))
 
 
-def commit_manifest(backend: ObjectStoreBackend, manifest: Manifest) -> bytes:
-    """Rank 0: conditional create of the manifest, validation, then the latest pointer."""
+def commit_manifest(backend: ObjectStoreBackend, manifest: Manifest, *, key: bytes | None = None) -> bytes:
+    """Rank 0: signature (inside this attempt's data directory, so a losing writer's cannot
+    replace it), conditional create of the manifest, validation, then the latest pointer."""
     raw = manifest.to_bytes()
+    if key is not None:
+        backend.put_bytes(f"{manifest.generation}/{manifest.location(SIGNATURE_NAME)}", sign(key, raw))
     backend.create_exclusive(f"{manifest.generation}/{MANIFEST_NAME}", raw)
-    check_structure(backend, manifest.generation)
+    check_structure(backend, manifest.generation, key=key)
     check_sizes(backend, manifest.generation, manifest)
     update_remote_latest(backend, manifest, raw)
     return raw

@@ -45,9 +45,11 @@ class RestoreResult:
         return self.generation is None
 
 
-def select_generation(comm: Comm, tiers: list[Backend], *, digests: bool = True
-                      ) -> tuple[str | None, Manifest | None, Backend | None, list[Problem]]:
-    """The newest generation that validates in any tier (local first, then the mirror)."""
+def select_generation(comm: Comm, tiers: list[Backend], *, digests: bool = True,
+                     key: bytes | None = None
+                     ) -> tuple[str | None, Manifest | None, Backend | None, list[Problem]]:
+    """The newest generation that validates in any tier (local first, then the mirror); with
+    ``key``, only signed manifests validate."""
     rejected: list[Problem] = []
     listings = comm.broadcast([_listing(b) for b in tiers] if comm.rank == 0 else None)
     names = sorted(set().union(*listings), key=parse_generation, reverse=True)
@@ -55,7 +57,7 @@ def select_generation(comm: Comm, tiers: list[Backend], *, digests: bool = True
         for backend, listing in zip(tiers, listings, strict=True):
             if name not in listing:
                 continue
-            verdict = _validate_everywhere(comm, backend, name, digests=digests)
+            verdict = _validate_everywhere(comm, backend, name, digests=digests, key=key)
             if isinstance(verdict, Problem):
                 verdict.tier = backend.root
                 rejected.append(verdict)
@@ -71,11 +73,12 @@ def _listing(backend: Backend) -> set[str]:
         return set()
 
 
-def _validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bool) -> Manifest | Problem:
+def _validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bool,
+                         key: bytes | None) -> Manifest | Problem:
     """Rank 0 checks structure and sizes; the digest check is split across ranks."""
     if comm.rank == 0:
         try:
-            checked = check_structure(backend, name)
+            checked = check_structure(backend, name, key=key)
             check_sizes(backend, name, checked)
             verdict: str | Problem = checked.model_dump_json()
         except (ValidationError, OSError) as exc:

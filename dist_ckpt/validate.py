@@ -20,6 +20,7 @@ from .manifest import (
     parse_generation,
     rank_state_file,
 )
+from .signing import SIGNATURE_NAME, verify
 from .storage.base import Backend
 
 
@@ -46,7 +47,8 @@ def list_pending(backend: Backend) -> list[str]:
     return [n for n in backend.listdir("") if n.startswith(PENDING_PREFIX)]
 
 
-def read_manifest(backend: Backend, generation: str) -> Manifest:
+def read_manifest(backend: Backend, generation: str, *, key: bytes | None = None) -> Manifest:
+    """Parse a generation's manifest; with ``key``, only if its signature verifies."""
     check_generation_name(generation)
     rel = f"{generation}/{MANIFEST_NAME}"
     try:
@@ -54,11 +56,19 @@ def read_manifest(backend: Backend, generation: str) -> Manifest:
     except (FileNotFoundError, StorageError) as exc:
         raise ValidationError(f"{generation} has no manifest (never committed)",
                               generation=generation, path=MANIFEST_NAME) from exc
-    return Manifest.from_bytes(raw, generation=generation)
+    manifest = Manifest.from_bytes(raw, generation=generation)
+    if key is not None:
+        try:
+            signature: bytes | None = backend.read_bytes(
+                f"{generation}/{manifest.location(SIGNATURE_NAME)}")
+        except (FileNotFoundError, StorageError):
+            signature = None
+        verify(key, raw, signature, generation=generation)
+    return manifest
 
 
-def check_structure(backend: Backend, generation: str) -> Manifest:
-    manifest = read_manifest(backend, generation)
+def check_structure(backend: Backend, generation: str, *, key: bytes | None = None) -> Manifest:
+    manifest = read_manifest(backend, generation, key=key)
     listed = {f.path for f in manifest.files}
     required = {"dcp/.metadata", GLOBAL_STATE_FILE}
     required |= {rank_state_file(r) for r in range(manifest.world_size)}
@@ -99,9 +109,10 @@ def check_digests(backend: Backend, generation: str, manifest: Manifest,
                                   generation=generation, path=entry.path)
 
 
-def validate(backend: Backend, generation: str, *, digests: bool = True) -> Manifest:
+def validate(backend: Backend, generation: str, *, digests: bool = True,
+             key: bytes | None = None) -> Manifest:
     """Full validation of one generation on one process; raises ``ValidationError``."""
-    manifest = check_structure(backend, generation)
+    manifest = check_structure(backend, generation, key=key)
     check_sizes(backend, generation, manifest)
     if digests:
         check_digests(backend, generation, manifest)
