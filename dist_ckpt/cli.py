@@ -1,4 +1,4 @@
-"""``dist-ckpt`` command line: list, inspect and verify the generations under a checkpoint root.
+"""``dist-ckpt`` command line: list, inspect, verify, pin and prune the generations under a root.
 
 Exit codes: 0 success; 1 a generation is invalid (or its manifest unreadable); 2 usage errors
 (missing root, unsafe or unknown generation name, unsupported storage URL).
@@ -17,7 +17,7 @@ from .errors import DistCkptError, StorageError, UnsafeNameError, ValidationErro
 from .inventory import GenerationInfo, inventory
 from .manifest import LATEST_NAME, PENDING_PREFIX, LatestPointer, Manifest, check_generation_name
 from .mirror import read_mirror_state
-from .retention import prune, prune_object_store
+from .retention import prune, prune_object_store, read_pins, set_pin
 from .signing import KEY_ENV, key_from_env
 from .storage.base import Backend, is_remote, open_backend
 from .storage.objectstore import ObjectStoreBackend
@@ -94,10 +94,10 @@ def sorted_inventory(backend: Backend) -> list[GenerationInfo]:
     return sorted(inventory(backend, digests=False, key=key_from_env()), key=key, reverse=True)
 
 
-def ls_record(info: GenerationInfo, latest: str | None) -> dict[str, Any]:
+def ls_record(info: GenerationInfo, latest: str | None, pins: dict[str, str]) -> dict[str, Any]:
     return {"name": info.name, "next_update": update_number(info), "state": info.state,
             "total_bytes": info.total_bytes, "latest": info.name == latest,
-            "reason": info.reason, "path": info.path}
+            "pin": pins.get(info.name), "reason": info.reason, "path": info.path}
 
 
 def print_table(rows: list[list[str]]) -> None:
@@ -110,7 +110,8 @@ def print_table(rows: list[list[str]]) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     backend = open_root(args.root)
     latest = read_latest(backend)
-    records = [ls_record(info, latest) for info in sorted_inventory(backend)]
+    pins = read_pins(backend)
+    records = [ls_record(info, latest, pins) for info in sorted_inventory(backend)]
     mirror = mirror_status(args.root, records)
     if args.json:
         print(json.dumps({"root": backend.root, "latest": latest, "generations": records,
@@ -120,12 +121,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no generations under {backend.root}")
         return 0
     rows = [["", "GENERATION", "UPDATE", "BYTES", "SIZE", "STATE"]
-            + (["MIRROR"] if mirror else []) + ["REASON"]]
+            + (["PIN"] if pins else []) + (["MIRROR"] if mirror else []) + ["REASON"]]
     for rec in records:
         update = "-" if rec["next_update"] is None else str(rec["next_update"])
         size = "-" if rec["total_bytes"] is None else str(rec["total_bytes"])
         rows.append(["*" if rec["latest"] else "", rec["name"], update, size,
                      human_bytes(rec["total_bytes"]), rec["state"]]
+                    + ([rec["pin"] or ""] if pins else [])
                     + ([rec.get("mirror", "")] if mirror else []) + [rec["reason"] or ""])
     print_table(rows)
     if mirror:
@@ -240,9 +242,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    for flag, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1")
     backend = open_root(args.root)
     if isinstance(backend, ObjectStoreBackend):
-        plan = prune_object_store(backend, keep_last=args.keep_last, dry_run=args.dry_run)
+        plan = prune_object_store(backend, keep_last=args.keep_last, keep_every=args.keep_every,
+                                  dry_run=args.dry_run)
         removed = {"generations": plan.generations, "incomplete": plan.incomplete,
                    "orphans": plan.orphans, "multipart_aborted": plan.multipart_aborted}
     else:
@@ -250,7 +256,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             raise UsageError("--keep-last is required for a local root")
         committed = [i.name for i in inventory(backend, digests=False) if i.state == "committed"]
         removed = {"generations": prune(backend, committed, keep_last=args.keep_last,
-                                        dry_run=args.dry_run)}
+                                        keep_every=args.keep_every, dry_run=args.dry_run)}
     verb = "would remove" if args.dry_run else "removed"
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, **removed}))
@@ -261,6 +267,25 @@ def cmd_prune(args: argparse.Namespace) -> int:
                     print(f"{verb} {kind[:-1] if kind.endswith('s') else kind}: {name}")
         if removed.get("multipart_aborted"):
             print(f"aborted {removed['multipart_aborted']} multipart upload(s)")
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    backend = open_root(args.root)
+    if args.command == "unpin":  # a pruned-by-hand generation can still be unpinned
+        try:
+            check_generation_name(args.generation)
+        except UnsafeNameError as exc:
+            raise UsageError(str(exc)) from exc
+        name = args.generation
+    else:
+        name = checked_generation(backend, args.generation)
+    pins = set_pin(backend, name, None if args.command == "unpin" else args.label)
+    if args.json:
+        print(json.dumps({"pins": pins}))
+    else:
+        print(f"{'unpinned' if args.command == 'unpin' else 'pinned'} {name}; "
+              f"{len(pins)} pinned generation(s) under {backend.root}")
     return 0
 
 
@@ -277,14 +302,23 @@ def build_parser() -> argparse.ArgumentParser:
     prune_cmd.set_defaults(func=cmd_prune)
     prune_cmd.add_argument("--keep-last", type=int, default=None, metavar="K",
                            help="keep the newest K committed generations")
+    prune_cmd.add_argument("--keep-every", type=int, default=None, metavar="N",
+                           help="also keep milestones: update numbers that are multiples of N")
     prune_cmd.add_argument("--dry-run", action="store_true", help="only print what would go")
-    for cmd in (ls, inspect, verify, prune_cmd):
+    pin = sub.add_parser("pin", help="protect a committed generation from pruning")
+    pin.set_defaults(func=cmd_pin)
+    pin.add_argument("--label", default="pinned", help="why it is kept (best, final, ...)")
+    unpin = sub.add_parser("unpin", help="let pruning delete a generation again")
+    unpin.set_defaults(func=cmd_pin)
+    for cmd in (ls, inspect, verify, prune_cmd, pin, unpin):
         cmd.add_argument("root", metavar="ROOT", help="checkpoint root (path or s3:// URL)")
+    for cmd in (pin, unpin):
+        cmd.add_argument("generation", metavar="GEN", help="generation name")
     inspect.add_argument("generation", metavar="GEN", nargs="?",
                          help="generation name (default: newest committed)")
     verify.add_argument("generation", metavar="GEN", nargs="?",
                         help="generation name (default: newest, any state)")
-    for cmd in (ls, inspect, verify, prune_cmd):
+    for cmd in (ls, inspect, verify, prune_cmd, pin, unpin):
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
@@ -301,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
         parser.print_usage(sys.stderr)
-        error("a command is required (ls, inspect, verify, prune)")
+        error("a command is required (ls, inspect, verify, prune, pin, unpin)")
         return 2
     try:
         return int(args.func(args))

@@ -39,6 +39,7 @@ class CheckpointConfig(BaseModel):
     io_threads: int = Field(default=1, ge=1, le=32)
     background_nice: int = Field(default=10, ge=0, le=19)  # CPU priority drop of background saves
     keep_last: int | None = Field(default=None, ge=1)
+    keep_every: int | None = Field(default=None, ge=1)  # milestones kept by every tier's pruning
     storage_options: dict[str, Any] = Field(default_factory=dict)
     cache_dir: str | None = None  # local scratch for object-store roots (default: a temp dir)
     mirror: str | None = None  # object-store URL that committed local generations replicate to

@@ -25,7 +25,7 @@ from . import contract as contract_mod
 from .comm import Comm
 from .config import CheckpointConfig
 from .coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save, run_save_in_background
-from .errors import CommitError, GenerationExists, NotAtOptimizerBoundary
+from .errors import CommitError, DistCkptError, GenerationExists, NotAtOptimizerBoundary, ValidationError
 from .inventory import GenerationInfo, inventory
 from .manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
 from .mirror import MirrorUploader
@@ -82,7 +82,8 @@ class CheckpointManager:
             self.uploader = MirrorUploader(
                 self.comm, self.write_root, self.mirror, queue_length=config.mirror_queue,
                 concurrency=config.mirror_concurrency, timeout_s=config.mirror_timeout_s,
-                keep_last=config.mirror_keep_last, signing_key=config.signing_key)
+                keep_last=config.mirror_keep_last, signing_key=config.signing_key,
+                keep_every=config.keep_every)
             if self.comm.rank == 0 and config.keep_last:
                 self.uploader.on_settled = lambda: self._janitor.submit(self._prune_local)
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
@@ -218,6 +219,7 @@ class CheckpointManager:
             return
         pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
         retention.prune(self.backend, self._committed_names(), keep_last=self.config.keep_last,
+                        keep_every=self.config.keep_every,
                         pinned=pinned)
 
     def _committed_names(self) -> list[str]:
@@ -309,6 +311,25 @@ class CheckpointManager:
             allow_contract_change=allow, strict_torch_version=self.config.strict_torch_version)
         result.rejected = rejected
         return result
+
+    def pin(self, generation: str, label: str | None = "pinned") -> dict[str, str]:
+        """Pin a committed generation so that no pruning deletes it (``label=None`` unpins).
+
+        All ranks call it together; rank 0 updates ``ROOT/pins.json`` and every rank returns
+        the new pins or raises the same error.
+        """
+        self._check_open()
+        outcome: tuple[dict[str, str] | None, str | None] = (None, None)
+        if self.comm.rank == 0:
+            try:
+                outcome = (retention.set_pin(self.backend, generation, label), None)
+            except (DistCkptError, OSError) as exc:
+                outcome = (None, f"{type(exc).__name__}: {exc}")
+        pins, problem = self.comm.broadcast(outcome)
+        if problem is not None:
+            raise ValidationError(f"cannot change the pin of {generation}: {problem}",
+                                  generation=generation)
+        return pins
 
     def generations(self) -> list[GenerationInfo]:
         """Every generation under the root, newest first, with its state (no digest check)."""

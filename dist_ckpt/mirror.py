@@ -33,8 +33,8 @@ from .coordinator import lower_thread_priority
 from .errors import DistCkptError
 from .manifest import Manifest
 from .remote import commit_manifest, upload_files
-from .retention import prune_object_store
-from .storage.local import atomic_write
+from .retention import prune_object_store, read_pins
+from .storage.local import LocalBackend, atomic_write
 from .storage.objectstore import ObjectStoreBackend
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,9 @@ class MirrorUploader:
 
     def __init__(self, comm: Comm, local_root: str, mirror: ObjectStoreBackend, *, queue_length: int,
                  concurrency: int, timeout_s: float, keep_last: int | None = None,
-                 signing_key: bytes | None = None) -> None:
+                 signing_key: bytes | None = None, keep_every: int | None = None) -> None:
         self.keep_last = keep_last
+        self.keep_every = keep_every
         self.signing_key = signing_key
         self.on_settled: Callable[[], None] | None = None  # rank 0: after each upload settles
         self.comm = comm
@@ -219,7 +220,10 @@ class MirrorUploader:
             self.stats.completed.append(generation)
             self._record(completed=manifest)
             if self.keep_last is not None:
-                prune_object_store(self.mirror, keep_last=self.keep_last)
+                # pins live in the local root, where rank 0 writes them
+                pinned = frozenset(read_pins(LocalBackend(self.local_root)))
+                prune_object_store(self.mirror, keep_last=self.keep_last, keep_every=self.keep_every,
+                                   pinned=pinned)
         except Exception as exc:  # noqa: BLE001 - the mirror lags; local training goes on
             log.error("mirror upload of %s failed: %s", generation, exc)
             self.stats.failed[generation] = str(exc)

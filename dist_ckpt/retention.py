@@ -1,12 +1,19 @@
-"""Retention: a pure policy over generation names, and a separate pruner that deletes."""
+"""Retention: a pure policy over generation names, and a separate pruner that deletes.
+
+The policy keeps the newest ``keep_last`` committed generations, every ``keep_every``-th
+update (milestones: the update number is a multiple of it) and pinned generations. Pins
+live in ``ROOT/pins.json`` (name -> label, written by ``dist-ckpt pin`` or
+``CheckpointManager.pin`` on rank 0); the pruner never deletes a pinned generation.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 
-from .errors import ValidationError
-from .manifest import MANIFEST_NAME, Manifest, parse_generation
+from .errors import StorageError, ValidationError
+from .manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
 from .storage.base import Backend
 from .storage.objectstore import ObjectStoreBackend
 from .validate import list_generations, read_manifest
@@ -14,16 +21,55 @@ from .validate import list_generations, read_manifest
 log = logging.getLogger(__name__)
 
 
-def to_drop(names: list[str], *, keep_last: int, pinned: frozenset[str] = frozenset()) -> list[str]:
-    """Names to delete: all but the newest ``keep_last`` (by update number) and the pinned."""
+PINS_NAME = "pins.json"
+
+
+def to_drop(names: list[str], *, keep_last: int, pinned: frozenset[str] = frozenset(),
+            keep_every: int | None = None) -> list[str]:
+    """Names to delete: all but the newest ``keep_last`` (by update number), the milestones
+    (update number a multiple of ``keep_every``) and the pinned."""
     ordered = sorted(names, key=lambda n: parse_generation(n) or 0, reverse=True)
-    return [n for n in ordered[keep_last:] if n not in pinned]
+    return [n for n in ordered[keep_last:] if n not in pinned
+            and not (keep_every and (parse_generation(n) or 0) % keep_every == 0)]
+
+
+def read_pins(backend: Backend) -> dict[str, str]:
+    """Pinned generation -> label; an unreadable pins file pins nothing and says so."""
+    try:
+        raw = backend.read_bytes(PINS_NAME)
+    except (FileNotFoundError, StorageError):
+        return {}
+    try:
+        pins = json.loads(raw)["pins"]
+        for name in pins:
+            check_generation_name(name)
+        return {str(k): str(v) for k, v in pins.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, ValidationError) as exc:
+        raise StorageError(f"{backend.url(PINS_NAME)} is corrupt: {exc}") from exc
+
+
+def set_pin(backend: Backend, generation: str, label: str | None) -> dict[str, str]:
+    """Pin (``label`` given) or unpin (None) ``generation``; returns the new pins."""
+    check_generation_name(generation)
+    pins = read_pins(backend)
+    if label is None:
+        pins.pop(generation, None)
+    else:
+        if not backend.exists(f"{generation}/{MANIFEST_NAME}"):
+            raise ValidationError(f"{generation} is not a committed generation under {backend.root}",
+                                  generation=generation)
+        pins[generation] = label
+    backend.put_bytes(PINS_NAME, json.dumps({"pins": dict(sorted(pins.items()))}, indent=1).encode())
+    return pins
 
 
 def prune(backend: Backend, committed: list[str], *, keep_last: int,
-          pinned: frozenset[str] = frozenset(), dry_run: bool = False) -> list[str]:
-    """Delete old generations; call only after the newest validated. Failures are logged."""
-    dropped = to_drop(committed, keep_last=keep_last, pinned=pinned)
+          pinned: frozenset[str] = frozenset(), keep_every: int | None = None,
+          dry_run: bool = False) -> list[str]:
+    """Delete old generations; call only after the newest validated. Failures are logged.
+    Generations pinned in the root's ``pins.json`` are kept as well as ``pinned``."""
+    pinned = pinned | frozenset(read_pins(backend))
+    dropped = to_drop(committed, keep_last=keep_last, pinned=pinned, keep_every=keep_every)
     for name in dropped if not dry_run else []:
         try:
             _remove_generation(backend, name)
@@ -52,7 +98,9 @@ class PrunePlan:
     multipart_aborted: int = 0
 
 
-def plan_object_store_prune(backend: ObjectStoreBackend, *, keep_last: int | None) -> PrunePlan:
+def plan_object_store_prune(backend: ObjectStoreBackend, *, keep_last: int | None,
+                            keep_every: int | None = None,
+                            pinned: frozenset[str] = frozenset()) -> PrunePlan:
     """Pure listing step: which objects of failed or superseded attempts can go.
 
     Generations without a manifest that are newer than the newest committed one are left
@@ -76,14 +124,17 @@ def plan_object_store_prune(backend: ObjectStoreBackend, *, keep_last: int | Non
             continue
         plan.orphans += [f"{name}/{child}" for child in backend.listdir(name) if child not in keep]
     if keep_last is not None:
-        plan.generations = to_drop([n for n, _ in committed], keep_last=keep_last)
+        plan.generations = to_drop([n for n, _ in committed], keep_last=keep_last,
+                                   keep_every=keep_every, pinned=pinned | frozenset(read_pins(backend)))
     return plan
 
 
 def prune_object_store(backend: ObjectStoreBackend, *, keep_last: int | None,
+                       keep_every: int | None = None, pinned: frozenset[str] = frozenset(),
                        dry_run: bool = False) -> PrunePlan:
     """Delete what :func:`plan_object_store_prune` lists and abort their multipart uploads."""
-    plan = plan_object_store_prune(backend, keep_last=keep_last)
+    plan = plan_object_store_prune(backend, keep_last=keep_last, keep_every=keep_every,
+                                   pinned=pinned)
     if dry_run:
         return plan
     for rel in plan.generations + plan.incomplete + plan.orphans:

@@ -41,6 +41,8 @@ def test_retention_orders_numerically_and_keeps_pins() -> None:
     names = [generation_name(n) for n in (9, 100, 10, 11)]
     assert to_drop(names, keep_last=2) == [generation_name(10), generation_name(9)]
     assert to_drop(names, keep_last=2, pinned=frozenset({generation_name(9)})) == [generation_name(10)]
+    # milestones: update numbers that are multiples of keep_every survive
+    assert to_drop(names, keep_last=1, keep_every=10) == [generation_name(11), generation_name(9)]
 
 
 @pytest.mark.parametrize("name", ["../gen-000000000001", "/etc", "gen-1", "gen-000000000001/..", ""])

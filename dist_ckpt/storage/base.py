@@ -29,6 +29,8 @@ class Backend(Protocol):
 
     def dcp_reader(self, rel: str) -> StorageReader: ...
 
+    def put_bytes(self, rel: str, data: bytes) -> None: ...
+
 
 def is_remote(root: str) -> bool:
     return "://" in root and not root.startswith("file://")

@@ -105,3 +105,7 @@ class LocalBackend:
 
     def dcp_reader(self, rel: str) -> StorageReader:
         return FileSystemReader(self._path(rel))
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        """Replace a small file atomically and durably."""
+        atomic_write(self._path(rel), data)

@@ -1,0 +1,61 @@
+"""Retention across a run: last K, milestones and pins, from the manager and from the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dist_ckpt import CheckpointConfig, CheckpointManager, ValidationError
+from dist_ckpt.cli import main as cli
+from tests.test_faults_local import make_state, step
+
+
+def committed(root: str) -> list[int]:
+    return sorted(int(n[4:]) for n in os.listdir(root) if n.startswith("gen-"))
+
+
+def test_manager_keeps_last_milestones_and_pins(tmp_path) -> None:
+    root = str(tmp_path)
+    state = make_state()
+    config = CheckpointConfig(root=root, keep_last=2, keep_every=3)
+    with CheckpointManager(config, state) as mgr:
+        step(state)
+        mgr.save(1)
+        assert mgr.pin("gen-000000000001", "best") == {"gen-000000000001": "best"}
+        with pytest.raises(ValidationError, match="not a committed generation"):
+            mgr.pin("gen-000000000099")
+        for update in range(2, 8):
+            step(state)
+            mgr.save(update)
+            mgr._janitor.submit(lambda: None).result()  # the prune queued by this save ran
+    # newest two (6, 7), milestones (3, 6) and the pinned best (1)
+    assert committed(root) == [1, 3, 6, 7]
+
+
+def test_cli_pin_ls_and_prune(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(tmp_path)
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=root), state) as mgr:
+        for update in range(1, 7):
+            step(state)
+            mgr.save(update)
+    assert cli(["pin", root, "gen-000000000002", "--label", "final"]) == 0
+    assert cli(["pin", root, "gen-000000000099"]) == 2  # no such generation
+    assert cli(["pin", root, "../gen-000000000002"]) == 2
+    capsys.readouterr()
+    assert cli(["ls", root]) == 0
+    listing = capsys.readouterr().out
+    assert "PIN" in listing and "final" in listing
+    assert cli(["ls", root, "--json"]) == 0
+    pins = {g["name"]: g["pin"] for g in json.loads(capsys.readouterr().out)["generations"]}
+    assert pins["gen-000000000002"] == "final" and pins["gen-000000000003"] is None
+    assert cli(["prune", root, "--keep-last", "1", "--keep-every", "4", "--dry-run"]) == 0
+    assert committed(root) == [1, 2, 3, 4, 5, 6]
+    assert cli(["prune", root, "--keep-last", "1", "--keep-every", "4"]) == 0
+    assert committed(root) == [2, 4, 6]
+    assert cli(["unpin", root, "gen-000000000002"]) == 0
+    assert cli(["prune", root, "--keep-last", "1", "--keep-every", "0"]) == 2
+    assert cli(["prune", root, "--keep-last", "1"]) == 0
+    assert committed(root) == [6]
