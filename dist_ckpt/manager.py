@@ -214,9 +214,16 @@ class CheckpointManager:
         return job
 
     def _prune_local(self) -> None:
-        """Local retention; generations still waiting for the mirror are kept."""
+        """Local retention; generations still waiting for the mirror are kept. Runs in the
+        janitor thread: a failure (say, a corrupt pins.json) deletes nothing and is logged."""
         if not self.config.keep_last:
             return
+        try:
+            self._prune_local_now()
+        except Exception:  # noqa: BLE001 - retention must never break training
+            log.exception("local retention pass failed")
+
+    def _prune_local_now(self) -> None:
         pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
         retention.prune(self.backend, self._committed_names(), keep_last=self.config.keep_last,
                         keep_every=self.config.keep_every,

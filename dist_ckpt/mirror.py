@@ -219,20 +219,28 @@ class MirrorUploader:
                             key=self.signing_key)
             self.stats.completed.append(generation)
             self._record(completed=manifest)
-            if self.keep_last is not None:
-                # pins live in the local root, where rank 0 writes them
-                pinned = frozenset(read_pins(LocalBackend(self.local_root)))
-                prune_object_store(self.mirror, keep_last=self.keep_last, keep_every=self.keep_every,
-                                   pinned=pinned)
         except Exception as exc:  # noqa: BLE001 - the mirror lags; local training goes on
             log.error("mirror upload of %s failed: %s", generation, exc)
             self.stats.failed[generation] = str(exc)
             self._record(failed=generation, reason=str(exc))
+        else:
+            self._prune()
         with self._cond:
             self._active = None  # the settled generation no longer pins local retention
             self._publish_pinned()
         if self.on_settled is not None:
             self.on_settled()
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        try:
+            # pins live in the local root, where rank 0 writes them
+            pinned = frozenset(read_pins(LocalBackend(self.local_root)))
+            prune_object_store(self.mirror, keep_last=self.keep_last, keep_every=self.keep_every,
+                               pinned=pinned)
+        except Exception:  # noqa: BLE001 - retention must never fail an upload or training
+            log.exception("mirror retention pass failed")
 
     def _record(self, *, completed: Manifest | None = None, skipped: str | None = None,
                 failed: str | None = None, reason: str | None = None) -> None:

@@ -59,3 +59,19 @@ def test_cli_pin_ls_and_prune(tmp_path, capsys: pytest.CaptureFixture[str]) -> N
     assert cli(["prune", root, "--keep-last", "1", "--keep-every", "0"]) == 2
     assert cli(["prune", root, "--keep-last", "1"]) == 0
     assert committed(root) == [6]
+
+
+def test_corrupt_pins_file_deletes_nothing(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    root = str(tmp_path)
+    state = make_state()
+    with open(os.path.join(root, "pins.json"), "w") as handle:
+        handle.write('{"pins": {"../escape": "x"}}')
+    with CheckpointManager(CheckpointConfig(root=root, keep_last=1), state) as mgr:
+        for update in (1, 2, 3):
+            step(state)
+            mgr.save(update)
+            mgr._janitor.submit(lambda: None).result()
+    assert committed(root) == [1, 2, 3]
+    assert "local retention pass failed" in caplog.text
+    assert cli(["prune", root, "--keep-last", "1"]) == 1
+    assert committed(root) == [1, 2, 3]
