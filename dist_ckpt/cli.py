@@ -248,13 +248,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
     backend = open_root(args.root)
     if isinstance(backend, ObjectStoreBackend):
         plan = prune_object_store(backend, keep_last=args.keep_last, keep_every=args.keep_every,
-                                  dry_run=args.dry_run)
+                                  key=key_from_env(), dry_run=args.dry_run)
         removed = {"generations": plan.generations, "incomplete": plan.incomplete,
                    "orphans": plan.orphans, "multipart_aborted": plan.multipart_aborted}
     else:
         if args.keep_last is None:
             raise UsageError("--keep-last is required for a local root")
-        committed = [i.name for i in inventory(backend, digests=False) if i.state == "committed"]
+        committed = [i.name for i in inventory(backend, digests=False, key=key_from_env())
+                     if i.state == "committed"]
         removed = {"generations": prune(backend, committed, keep_last=args.keep_last,
                                         keep_every=args.keep_every, dry_run=args.dry_run)}
     verb = "would remove" if args.dry_run else "removed"

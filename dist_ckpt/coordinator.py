@@ -82,6 +82,7 @@ class SaveJob:
     duration_s: float = 0.0
     manifest_raw: bytes | None = None
     store_keys: list[tuple[str, int]] = field(default_factory=list)  # (key set here, readers)
+    written: bool = False
 
 
 class StoreKeyRetirer:
@@ -187,6 +188,7 @@ def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float)
             if comm.rank != 0 and comm.store.check([_outcome_key(request.generation, nonce)]):
                 raise CommitError("generation already failed before this rank wrote")
             entries, results = write_rank_files(request, comm.rank, io_threads)
+            job.written = True  # its bytes are on disk: the space preflight stops counting it
             if request.remote is not None:
                 upload_files(request.remote, request.pending, request.generation, request.data_dir,
                              entries)
@@ -223,9 +225,13 @@ def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float)
                                 failures={comm.rank: f"{type(exc).__name__}: {exc}"})
     finally:
         job.duration_s = time.monotonic() - request.started
-        if job.on_done is not None:
-            job.on_done(job)
-        job.done.set()
+        try:
+            if job.on_done is not None:
+                job.on_done(job)
+        except Exception:  # noqa: BLE001 - bookkeeping after the commit must not hang wait()
+            traceback.print_exc()
+        finally:
+            job.done.set()
 
 
 def _await_outcome(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> dict:

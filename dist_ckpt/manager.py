@@ -10,6 +10,7 @@ background for an asynchronous save and coordinates only through the c10d store.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -25,7 +26,7 @@ from . import contract as contract_mod
 from .comm import Comm
 from .config import CheckpointConfig
 from .coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save, run_save_in_background
-from .errors import CommitError, DistCkptError, GenerationExists, NotAtOptimizerBoundary, ValidationError
+from .errors import CommitError, GenerationExists, NotAtOptimizerBoundary, ValidationError
 from .inventory import GenerationInfo, inventory
 from .manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
 from .mirror import MirrorUploader
@@ -41,6 +42,7 @@ from .validate import list_pending
 from .version import __version__
 
 log = logging.getLogger(__name__)
+PINS_KEY = "pins"
 
 
 @dataclass
@@ -74,6 +76,11 @@ class CheckpointManager:
             self._remove_stale_pending()
         self.comm.all_gather(None)  # nobody writes before stale pending directories are gone
         self.backend = self.remote if self.remote is not None else open_backend(config.root)
+        if self.comm.rank == 0:
+            try:
+                self._publish_pins(retention.read_pins(self.backend))
+            except Exception:  # noqa: BLE001 - a corrupt pins.json stops pruning, not training
+                log.exception("cannot read the pins under %s", config.root)
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-prune")
         self.mirror = None
         self.uploader: MirrorUploader | None = None
@@ -117,7 +124,6 @@ class CheckpointManager:
                 raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
             if agreed[0]["exists"]:
                 raise GenerationExists(f"{name} is already committed under {self.config.root}")
-            check_space(agreed, self.config.space_headroom_bytes, self.write_root)
             if not any(f["busy"] for f in agreed):
                 break
             if self.config.in_flight_policy == "skip":
@@ -127,6 +133,8 @@ class CheckpointManager:
             # block: wait for the oldest save, then agree again (its failure raises here)
             if self._jobs:
                 self._jobs[0].done.wait()
+        # once the in-flight bound allows the save: waiting or skipping comes first
+        check_space(agreed, self.config.space_headroom_bytes, self.write_root)
         job = self._start(name, next_update, tokens_seen, live, fingerprint,
                           all(f["cached"] for f in agreed), agreed[0]["nonce"])
         self.stats.last_blocking_s = time.perf_counter() - started
@@ -152,10 +160,16 @@ class CheckpointManager:
         # the write still fails it cleanly), later saves know exactly what each rank writes
         if not self.config.check_free_space or fingerprint != self.plans.fingerprint:
             return None
-        free = free_bytes(self.write_root) if self.comm.rank == self.comm.fs_leader else None
-        # saves still in flight may not have written their files yet: count them in full
+        free = None
+        if self.comm.rank == self.comm.fs_leader:
+            try:
+                free = free_bytes(self.write_root)
+            except OSError as exc:  # unmeasurable: this group is not checked, peers not stalled
+                log.warning("cannot measure free space under %s: %s", self.write_root, exc)
+        # saves in flight whose files are not written yet will still take their share
+        unwritten = sum(1 for job in self._jobs if not job.written)
         per_save = self.plans.plan_bytes or 0
-        return {"leader": self.comm.fs_leader, "bytes": per_save * (1 + len(self._jobs)), "free": free}
+        return {"leader": self.comm.fs_leader, "bytes": per_save * (1 + unwritten), "free": free}
 
     def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
                fingerprint: str, all_cached: bool, nonce: str) -> SaveJob:
@@ -225,6 +239,7 @@ class CheckpointManager:
 
     def _prune_local_now(self) -> None:
         pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
+        pinned |= self._store_pins()
         retention.prune(self.backend, self._committed_names(), keep_last=self.config.keep_last,
                         keep_every=self.config.keep_every,
                         pinned=pinned)
@@ -329,8 +344,12 @@ class CheckpointManager:
         outcome: tuple[dict[str, str] | None, str | None] = (None, None)
         if self.comm.rank == 0:
             try:
-                outcome = (retention.set_pin(self.backend, generation, label), None)
-            except (DistCkptError, OSError) as exc:
+                pins = retention.set_pin(self.backend, generation, label)
+                if self.mirror is not None:  # so that a prune of the mirror alone keeps them too
+                    retention.write_pins(self.mirror, pins)
+                self._publish_pins(pins)
+                outcome = (pins, None)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it after the broadcast
                 outcome = (None, f"{type(exc).__name__}: {exc}")
         pins, problem = self.comm.broadcast(outcome)
         if problem is not None:
@@ -338,9 +357,22 @@ class CheckpointManager:
                                   generation=generation)
         return pins
 
+    def _publish_pins(self, pins: dict[str, str]) -> None:
+        # rank 0's root holds pins.json; leaders of other nodes read the pins from the store
+        self.comm.store_set(PINS_KEY, json.dumps(sorted(pins)).encode())
+
+    def _store_pins(self) -> frozenset[str]:
+        try:
+            if self.comm.store.check([PINS_KEY]):
+                return frozenset(json.loads(self.comm.store_get(PINS_KEY)))
+        except Exception:  # noqa: BLE001 - prune then keeps only what this node's root pins
+            log.warning("could not read the pins from the store")
+        return frozenset()
+
     def generations(self) -> list[GenerationInfo]:
-        """Every generation under the root, newest first, with its state (no digest check)."""
-        return inventory(self.backend, digests=False)
+        """Every generation under the root, newest first, with its state (no digest check;
+        with a signing key, a generation whose manifest signature fails is invalid)."""
+        return inventory(self.backend, digests=False, key=self.config.signing_key)
 
     def _remove_stale_pending(self) -> None:
         # no save of this job is in flight yet: pending directories are leftovers of a crash

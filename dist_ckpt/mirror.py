@@ -105,7 +105,10 @@ class MirrorUploader:
     def _publish_pinned(self) -> None:
         # caller holds self._cond; generations still to upload, for followers' retention
         names = sorted({g for g, _ in self._queue} | ({self._active} if self._active else set()))
-        self.comm.store_set(PINNED_KEY, json.dumps(names).encode())
+        try:
+            self.comm.store_set(PINNED_KEY, json.dumps(names).encode())
+        except Exception:  # noqa: BLE001 - followers keep their last view; uploads go on
+            log.exception("could not publish the mirror's pinned generations")
 
     # ---- all ranks ---------------------------------------------------------------------
     def local_committed(self, generation: str) -> None:
@@ -210,8 +213,11 @@ class MirrorUploader:
             if not report["ok"]:
                 errors[key] = report["error"]
         if not missing:  # every rank read the announcement and reported: nobody reads these again
-            for key in keys + [f"mirror/seq/{self._seq}"]:
-                self.comm.store.delete_key(key)
+            try:
+                for key in keys + [f"mirror/seq/{self._seq}"]:
+                    self.comm.store.delete_key(key)
+            except Exception:  # noqa: BLE001 - a leftover key costs bytes, never correctness
+                log.warning("could not delete the store keys of mirror sequence %d", self._seq)
         try:
             if errors:
                 raise DistCkptError(f"mirror upload of {generation} failed: {errors}")
@@ -238,7 +244,7 @@ class MirrorUploader:
             # pins live in the local root, where rank 0 writes them
             pinned = frozenset(read_pins(LocalBackend(self.local_root)))
             prune_object_store(self.mirror, keep_last=self.keep_last, keep_every=self.keep_every,
-                               pinned=pinned)
+                               pinned=pinned, key=self.signing_key)
         except Exception:  # noqa: BLE001 - retention must never fail an upload or training
             log.exception("mirror retention pass failed")
 

@@ -81,8 +81,8 @@ def _validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bo
             checked = check_structure(backend, name, key=key)
             check_sizes(backend, name, checked)
             verdict: str | Problem = checked.model_dump_json()
-        except (ValidationError, OSError) as exc:
-            verdict = Problem(name, str(exc), getattr(exc, "path", None))
+        except Exception as exc:  # noqa: BLE001 - any failure rejects it; peers wait on the broadcast
+            verdict = Problem(name, _reason(exc), getattr(exc, "path", None))
     shared = comm.broadcast(verdict if comm.rank == 0 else None)
     if isinstance(shared, Problem):
         return shared
@@ -90,15 +90,26 @@ def _validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bo
     problem = None
     mine = [f.path for f in manifest.files][comm.rank :: comm.world_size]
     try:
-        if digests:
-            check_digests(backend, name, manifest, mine)
-        else:  # sizes on every rank: a node-local copy may lack other nodes' files
-            check_sizes(backend, name, manifest.model_copy(
-                update={"files": [f for f in manifest.files if f.path in set(mine)]}))
-    except (ValidationError, OSError) as exc:
-        problem = Problem(name, str(exc), getattr(exc, "path", None))
+        # DCP unpickles .metadata without restriction: its digest is checked even when the
+        # caller turned digests off (the shards load through weights_only torch.load)
+        hashed = mine if digests else [p for p in mine if p in ALWAYS_HASHED]
+        check_digests(backend, name, manifest, hashed)
+        # sizes on every rank: a node-local copy may lack other nodes' files
+        check_sizes(backend, name, manifest.model_copy(
+            update={"files": [f for f in manifest.files if f.path in set(mine)]}))
+    except Exception as exc:  # noqa: BLE001 - reported through the all-gather, never raised alone
+        problem = Problem(name, _reason(exc), getattr(exc, "path", None))
     problems = [p for p in comm.all_gather(problem) if p is not None]
     return problems[0] if problems else manifest
+
+
+ALWAYS_HASHED = frozenset({"dcp/.metadata"})
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, ValidationError | OSError):
+        return str(exc)
+    return f"unexpected {type(exc).__name__}: {exc}"
 
 
 def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .errors import StorageError, ValidationError
 from .manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
+from .signing import SIGNATURE_NAME
 from .storage.base import Backend
 from .storage.objectstore import ObjectStoreBackend
 from .validate import list_generations, read_manifest
@@ -59,8 +60,14 @@ def set_pin(backend: Backend, generation: str, label: str | None) -> dict[str, s
             raise ValidationError(f"{generation} is not a committed generation under {backend.root}",
                                   generation=generation)
         pins[generation] = label
-    backend.put_bytes(PINS_NAME, json.dumps({"pins": dict(sorted(pins.items()))}, indent=1).encode())
+    write_pins(backend, pins)
     return pins
+
+
+def write_pins(backend: Backend, pins: dict[str, str]) -> None:
+    """Replace the root's ``pins.json``. One writer at a time (rank 0 or an operator's CLI):
+    a read-modify-write racing another loses one of the two changes."""
+    backend.put_bytes(PINS_NAME, json.dumps({"pins": dict(sorted(pins.items()))}, indent=1).encode())
 
 
 def prune(backend: Backend, committed: list[str], *, keep_last: int,
@@ -99,21 +106,24 @@ class PrunePlan:
 
 
 def plan_object_store_prune(backend: ObjectStoreBackend, *, keep_last: int | None,
-                            keep_every: int | None = None,
-                            pinned: frozenset[str] = frozenset()) -> PrunePlan:
+                            keep_every: int | None = None, pinned: frozenset[str] = frozenset(),
+                            key: bytes | None = None) -> PrunePlan:
     """Pure listing step: which objects of failed or superseded attempts can go.
 
     Generations without a manifest that are newer than the newest committed one are left
-    alone: they may be uploads in flight.
+    alone: they may be uploads in flight. With ``key``, a generation whose signature fails is
+    neither counted towards ``keep_last`` nor deleted: forged manifests cannot push real
+    generations out.
     """
     plan = PrunePlan()
     committed: list[tuple[str, Manifest]] = []
     incomplete: list[str] = []
     for name in list_generations(backend):
         try:
-            committed.append((name, read_manifest(backend, name)))
-        except ValidationError:
-            incomplete.append(name)
+            committed.append((name, read_manifest(backend, name, key=key)))
+        except ValidationError as exc:
+            if exc.path != SIGNATURE_NAME:
+                incomplete.append(name)
     if not committed:
         return plan
     newest = max(parse_generation(n) or 0 for n, _ in committed)
@@ -131,10 +141,10 @@ def plan_object_store_prune(backend: ObjectStoreBackend, *, keep_last: int | Non
 
 def prune_object_store(backend: ObjectStoreBackend, *, keep_last: int | None,
                        keep_every: int | None = None, pinned: frozenset[str] = frozenset(),
-                       dry_run: bool = False) -> PrunePlan:
+                       key: bytes | None = None, dry_run: bool = False) -> PrunePlan:
     """Delete what :func:`plan_object_store_prune` lists and abort their multipart uploads."""
     plan = plan_object_store_prune(backend, keep_last=keep_last, keep_every=keep_every,
-                                   pinned=pinned)
+                                   pinned=pinned, key=key)
     if dry_run:
         return plan
     for rel in plan.generations + plan.incomplete + plan.orphans:

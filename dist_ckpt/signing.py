@@ -43,14 +43,16 @@ def verify(key: bytes, manifest_raw: bytes, signature_raw: bytes | None, *, gene
             raise ValueError("oversized")
         record = json.loads(signature_raw)
         alg, mac, signer = record["alg"], str(record["mac"]), str(record.get("key_id", "?"))
-    except (ValueError, KeyError, TypeError) as exc:
+        if len(mac) != 64 or not all(c in "0123456789abcdef" for c in mac):
+            raise ValueError("the mac is not 64 lowercase hex digits")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValidationError(f"{generation}: {SIGNATURE_NAME} is unreadable",
                               generation=generation, path=SIGNATURE_NAME) from exc
     if alg != "hmac-sha256":
         raise ValidationError(f"{generation}: unsupported signature algorithm {alg!r}",
                               generation=generation, path=SIGNATURE_NAME)
     expected = hmac.new(key, manifest_raw, hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(expected, mac):
+    if not hmac.compare_digest(expected.encode("ascii"), mac.encode("ascii")):
         why = "signed with another key" if signer != key_id(key) else "manifest changed after signing"
         raise ValidationError(f"{generation}: manifest signature does not verify ({why})",
                               generation=generation, path=SIGNATURE_NAME)

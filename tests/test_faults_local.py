@@ -161,3 +161,18 @@ def test_torch_version_mismatch_warns_or_raises(tmp_path) -> None:
     strict = CheckpointConfig(root=root, strict_torch_version=True)
     with CheckpointManager(strict, make_state()) as mgr, pytest.raises(TorchVersionMismatch):
         mgr.restore()
+
+
+def test_dcp_metadata_digest_is_checked_even_without_digests(tmp_path) -> None:
+    root = str(tmp_path)
+    two_generations(root)
+    metadata = os.path.join(root, "gen-000000000002", "dcp", ".metadata")
+    with open(metadata, "r+b") as handle:  # same size, different pickle bytes
+        handle.seek(os.path.getsize(metadata) // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with CheckpointManager(CheckpointConfig(root=root), make_state()) as mgr:
+        result = mgr.restore(verify_digests=False)
+    assert result.generation == "gen-000000000001"
+    assert "dcp/.metadata" in str(result.rejected[0])

@@ -75,3 +75,21 @@ def test_corrupt_pins_file_deletes_nothing(tmp_path, caplog: pytest.LogCaptureFi
     assert "local retention pass failed" in caplog.text
     assert cli(["prune", root, "--keep-last", "1"]) == 1
     assert committed(root) == [1, 2, 3]
+
+
+def test_pins_reach_the_mirror(s3_root: str, tmp_path) -> None:
+    root = str(tmp_path / "local")
+    state = make_state()
+    config = CheckpointConfig(root=root, mirror=s3_root, mirror_queue=4)  # nothing skipped
+    with CheckpointManager(config, state) as mgr:
+        for update in (1, 2, 3):
+            step(state)
+            mgr.save(update)
+        mgr.wait()
+        assert mgr.uploader is not None and mgr.uploader.drain(60)
+        mgr.pin("gen-000000000001", "best")
+    # an operator's prune of the mirror alone keeps what the job pinned
+    assert cli(["prune", s3_root, "--keep-last", "1"]) == 0
+    with CheckpointManager(CheckpointConfig(root=s3_root), make_state()) as mgr:
+        assert [g.name for g in mgr.generations() if g.state == "committed"] == [
+            "gen-000000000003", "gen-000000000001"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 
@@ -103,3 +104,40 @@ def test_mirror_generations_are_signed(s3_root: str, tmp_path) -> None:
     assert os.path.exists(tmp_path / "gen-000000000001" / "manifest.sig")
     assert restore(s3_root, hmac_key=KEY)[0] == "gen-000000000001"  # the mirror alone
     assert restore(s3_root, hmac_key="another-key-0123456789")[0] is None
+
+
+def test_malformed_signature_is_a_rejection_not_a_crash(tmp_path) -> None:
+    root = str(tmp_path)
+    two_generations(root, hmac_key=KEY)
+    with open(os.path.join(root, "gen-000000000002", "manifest.sig"), "w") as handle:
+        handle.write(json.dumps({"alg": "hmac-sha256", "mac": "é" * 64}))
+    generation, rejected = restore(root, hmac_key=KEY)
+    assert generation == "gen-000000000001"
+    assert "manifest.sig is unreadable" in rejected[0]
+
+
+def test_forged_manifests_do_not_push_real_generations_out(tmp_path) -> None:
+    root = str(tmp_path)
+    state = make_state()
+    config = CheckpointConfig(root=root, hmac_key=KEY, keep_last=2)
+    with CheckpointManager(config, state) as mgr:
+        for update in (1, 2):
+            step(state)
+            mgr.save(update)
+        for forged in (100, 101):  # unsigned copies with higher numbers, planted by a writer
+            name = f"gen-{forged:012d}"
+            shutil.copytree(os.path.join(root, "gen-000000000002"), os.path.join(root, name))
+            os.unlink(os.path.join(root, name, "manifest.sig"))
+            path = os.path.join(root, name, "manifest.json")
+            with open(path, "rb") as handle:
+                manifest = Manifest.from_bytes(handle.read(), generation="gen-000000000002")
+            with open(path, "wb") as handle:
+                handle.write(manifest.model_copy(update={"generation": name,
+                                                         "next_update": forged}).to_bytes())
+        step(state)
+        mgr.save(3)
+        mgr._janitor.submit(lambda: None).result()  # the prune queued by this save ran
+    names = sorted(n for n in os.listdir(root) if n.startswith("gen-"))
+    # the real newest two stay; the forgeries are neither counted nor deleted
+    assert names == ["gen-000000000002", "gen-000000000003", "gen-000000000100", "gen-000000000101"]
+    assert restore(root, hmac_key=KEY)[0] == "gen-000000000003"
