@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--until", type=int, required=True)
     parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--mirror", default=None, help="object-store URL to replicate generations to")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -52,7 +53,7 @@ def main() -> None:
     state = TrainState(model, optimizer, sampler=sampler, numpy_generators={"noise": noise},
                        contract={"config": {"width": WIDTH, "batch": BATCH}})
     reference_path = os.path.join(args.root, "reference.pt")
-    config = CheckpointConfig(root=os.path.join(args.root, "ckpt"), async_save=True)
+    config = CheckpointConfig(root=os.path.join(args.root, "ckpt"), async_save=True, mirror=args.mirror)
     with CheckpointManager(config, state) as mgr:
         result = mgr.restore()
         loaded = gathered(model, optimizer)
