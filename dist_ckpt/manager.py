@@ -330,7 +330,8 @@ class CheckpointManager:
         result = load_generation(
             self.comm, backend, self.state, name, manifest,
             self.state.components if components is None else components,
-            allow_contract_change=allow, strict_torch_version=self.config.strict_torch_version)
+            allow_contract_change=allow, strict_torch_version=self.config.strict_torch_version,
+            scratch_parent=self.config.cache_dir)
         result.rejected = rejected
         return result
 

@@ -10,12 +10,14 @@ digest matched), global state, and RNG last.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, StorageReader
 
 from . import codec, rng
 from . import contract as contract_mod
@@ -24,6 +26,8 @@ from .errors import StorageError, TorchVersionMismatch, ValidationError
 from .manifest import GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
 from .state import TrainState
 from .storage.base import Backend
+from .storage.objectstore import ObjectStoreBackend
+from .storage.verified import VerifiedObjectReader
 from .validate import Problem, check_digests, check_sizes, check_structure, list_generations
 
 
@@ -114,7 +118,8 @@ def _reason(exc: Exception) -> str:
 
 def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
                     manifest: Manifest, components: Iterable[str], *,
-                    allow_contract_change: bool, strict_torch_version: bool) -> RestoreResult:
+                    allow_contract_change: bool, strict_torch_version: bool,
+                    scratch_parent: str | None = None) -> RestoreResult:
     wanted = tuple(c for c in state.components if c in set(components))
     missing = [c for c in wanted if c not in manifest.components]
     if missing:
@@ -132,24 +137,48 @@ def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
         result.warnings.append(message)
 
     template = state.tensor_state(wanted)
-    reader = backend.dcp_reader(f"{name}/{manifest.location('dcp')}")
-    if comm.distributed:
-        dcp.load(template, storage_reader=reader, process_group=comm.group)
-    else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(template, storage_reader=reader)
+    if isinstance(backend, ObjectStoreBackend):  # what DCP reads is what was verified
+        reader: StorageReader = VerifiedObjectReader(backend, name, manifest, scratch_parent)
+    else:  # a local root is trusted-local data (requirements section 8)
+        reader = backend.dcp_reader(f"{name}/{manifest.location('dcp')}")
+    try:
+        if comm.distributed:
+            dcp.load(template, storage_reader=reader, process_group=comm.group)
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(template, storage_reader=reader)
+    except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
+        invalid = {rank: str(failure) for rank, (failure, _) in getattr(exc, "failures", {}).items()
+                   if isinstance(failure, ValidationError)}
+        if isinstance(reader, VerifiedObjectReader) and reader.fs.errors:
+            invalid.setdefault(comm.rank, str(reader.fs.errors[0]))
+        if not invalid:
+            raise
+        detail = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(invalid.items()))
+        raise ValidationError(f"{name} could not be loaded: {detail}", generation=name) from exc
+    finally:
+        if isinstance(reader, VerifiedObjectReader):
+            reader.cleanup()
     state.load_tensor_state(template)
 
-    saved_global = codec.loads(backend.read_bytes(f"{name}/{manifest.location(GLOBAL_STATE_FILE)}"),
+    saved_global = codec.loads(_read_verified(backend, name, manifest, GLOBAL_STATE_FILE),
                                what=f"{name}/{GLOBAL_STATE_FILE}")
     state.load_global_state(saved_global, wanted)
     if "rng" in wanted:  # last: constructing and loading must not consume restored streams
         if comm.rank < manifest.world_size:
-            rank_file = manifest.location(rank_state_file(comm.rank))
-            saved_rank = codec.loads(backend.read_bytes(f"{name}/{rank_file}"))
+            saved_rank = codec.loads(_read_verified(backend, name, manifest, rank_state_file(comm.rank)))
             state.load_rank_state(saved_rank)
         else:
-            base = codec.loads(backend.read_bytes(f"{name}/{manifest.location(rank_state_file(0))}"))
+            base = codec.loads(_read_verified(backend, name, manifest, rank_state_file(0)))
             state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
     return result
+
+
+def _read_verified(backend: Backend, name: str, manifest: Manifest, path: str) -> bytes:
+    """A small file's bytes, parsed only if they still match the manifest."""
+    raw = backend.read_bytes(f"{name}/{manifest.location(path)}")
+    entry = next((f for f in manifest.files if f.path == path), None)
+    if entry is None or len(raw) != entry.size or hashlib.sha256(raw).hexdigest() != entry.sha256:
+        raise ValidationError(f"{name}: {path} changed after validation", generation=name, path=path)
+    return raw

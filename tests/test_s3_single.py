@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
+import dist_ckpt.manager as manager_mod
 from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, faults
 from dist_ckpt.cli import main as cli
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
@@ -118,3 +120,31 @@ def test_pruner_removes_leftovers_of_failed_uploads_only(s3_root: str) -> None:
     assert cli(["verify", s3_root, "gen-000000000001"]) == 0
     assert cli(["prune", s3_root, "--keep-last", "1"]) == 0
     assert not backend.exists("gen-000000000001")
+
+
+@pytest.mark.parametrize("target", ["dcp/.metadata", "dcp/__0_0.distcp", "state/train_state.json"])
+def test_object_swapped_after_validation_is_never_deserialised(
+        s3_root: str, target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=s3_root), state) as mgr:
+        for update in (1, 2):
+            step(state)
+            mgr.save(update)
+    backend = ObjectStoreBackend(s3_root)
+    original = manager_mod.select_generation
+
+    def select_then_swap(*args, **kwargs):
+        chosen = original(*args, **kwargs)
+        manifest = chosen[1]
+        key = backend._key(f"gen-000000000002/{manifest.location(target)}")
+        data = bytearray(backend.fs.cat_file(key))
+        data[len(data) // 2] ^= 0xFF  # same size, different bytes: a writer racing the restore
+        backend.fs.pipe_file(key, bytes(data))
+        return chosen
+
+    monkeypatch.setattr(manager_mod, "select_generation", select_then_swap)
+    with CheckpointManager(CheckpointConfig(root=s3_root), make_state()) as mgr:
+        with pytest.raises(Exception) as caught:
+            mgr.restore()
+    assert "changed after validation" in str(caught.value)
+    assert target.rsplit("/", 1)[-1] in str(caught.value)
