@@ -12,7 +12,7 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, faults
 from dist_ckpt.cli import main as cli
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
 from dist_ckpt.validate import read_manifest
-from tests.test_faults_local import make_state, step
+from tests.test_faults_local import make_state, step, two_generations
 
 
 def test_s3_round_trip_and_cli(s3_root: str, tmp_path) -> None:
@@ -36,11 +36,7 @@ def test_s3_round_trip_and_cli(s3_root: str, tmp_path) -> None:
 
 
 def test_s3_corrupt_object_falls_back(s3_root: str) -> None:
-    state = make_state()
-    with CheckpointManager(CheckpointConfig(root=s3_root), state) as mgr:
-        for update in (1, 2):
-            step(state)
-            mgr.save(update)
+    two_generations(s3_root)
     backend = ObjectStoreBackend(s3_root)
     manifest_files = backend.fs.find(f"{backend.base}/gen-000000000002")
     shard = next(f for f in manifest_files if f.endswith("__0_0.distcp"))
@@ -125,11 +121,7 @@ def test_pruner_removes_leftovers_of_failed_uploads_only(s3_root: str) -> None:
 @pytest.mark.parametrize("target", ["dcp/.metadata", "dcp/__0_0.distcp", "state/train_state.json"])
 def test_object_swapped_after_validation_is_never_deserialised(
         s3_root: str, target: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    state = make_state()
-    with CheckpointManager(CheckpointConfig(root=s3_root), state) as mgr:
-        for update in (1, 2):
-            step(state)
-            mgr.save(update)
+    two_generations(s3_root)
     backend = ObjectStoreBackend(s3_root)
     original = manager_mod.select_generation
 
