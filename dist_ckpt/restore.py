@@ -94,8 +94,9 @@ def _validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bo
     problem = None
     mine = [f.path for f in manifest.files][comm.rank :: comm.world_size]
     try:
-        # DCP unpickles .metadata without restriction: its digest is checked even when the
-        # caller turned digests off (the shards load through weights_only torch.load)
+        # DCP unpickles .metadata without restriction before it knows anything else: its
+        # digest is checked even when the caller turned digests off (an opt-out for trusted
+        # storage: shards' non-tensor items are unpickled without restriction too)
         hashed = mine if digests else [p for p in mine if p in ALWAYS_HASHED]
         check_digests(backend, name, manifest, hashed)
         # sizes on every rank: a node-local copy may lack other nodes' files
