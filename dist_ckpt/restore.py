@@ -138,6 +138,26 @@ def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
         result.warnings.append(message)
 
     template = state.tensor_state(wanted)
+    _dcp_load(comm, backend, name, manifest, template, scratch_parent)
+    state.load_tensor_state(template)
+
+    saved_global = codec.loads(_read_verified(backend, name, manifest, GLOBAL_STATE_FILE),
+                               what=f"{name}/{GLOBAL_STATE_FILE}")
+    state.load_global_state(saved_global, wanted)
+    if "rng" in wanted:  # last: constructing and loading must not consume restored streams
+        if comm.rank < manifest.world_size:
+            saved_rank = codec.loads(_read_verified(backend, name, manifest, rank_state_file(comm.rank)))
+            state.load_rank_state(saved_rank)
+        else:
+            base = codec.loads(_read_verified(backend, name, manifest, rank_state_file(0)))
+            state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
+    return result
+
+
+def _dcp_load(comm: Comm, backend: Backend, name: str, manifest: Manifest, template: dict,
+              scratch_parent: str | None) -> None:
+    """DCP load of ``template`` (all ranks); a verification failure on any rank becomes one
+    ``ValidationError`` naming each failing rank's file."""
     if isinstance(backend, ObjectStoreBackend):  # what DCP reads is what was verified
         reader: StorageReader = VerifiedObjectReader(backend, name, manifest, scratch_parent)
     else:  # a local root is trusted-local data (requirements section 8)
@@ -161,19 +181,6 @@ def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
     finally:
         if isinstance(reader, VerifiedObjectReader):
             reader.cleanup()
-    state.load_tensor_state(template)
-
-    saved_global = codec.loads(_read_verified(backend, name, manifest, GLOBAL_STATE_FILE),
-                               what=f"{name}/{GLOBAL_STATE_FILE}")
-    state.load_global_state(saved_global, wanted)
-    if "rng" in wanted:  # last: constructing and loading must not consume restored streams
-        if comm.rank < manifest.world_size:
-            saved_rank = codec.loads(_read_verified(backend, name, manifest, rank_state_file(comm.rank)))
-            state.load_rank_state(saved_rank)
-        else:
-            base = codec.loads(_read_verified(backend, name, manifest, rank_state_file(0)))
-            state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
-    return result
 
 
 def _read_verified(backend: Backend, name: str, manifest: Manifest, path: str) -> bytes:
