@@ -212,15 +212,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def verify_result(backend: Backend, name: str) -> dict[str, Any]:
+    key = key_from_env()
     try:
-        manifest = validate(backend, name, digests=True, key=key_from_env())
+        manifest = validate(backend, name, digests=True, key=key)
     except ValidationError as exc:
         return {"generation": name, "ok": False, "reason": str(exc), "path": exc.path}
     except OSError as exc:
         return {"generation": name, "ok": False, "reason": f"unreadable: {exc}",
                 "path": getattr(exc, "filename", None)}
     reason = f"{len(manifest.files)} files, {manifest.total_bytes} bytes, sha256 verified"
-    if key_from_env() is not None:
+    if key is not None:
         reason += f", signature verified (key from {KEY_ENV})"
     return {"generation": name, "ok": True, "reason": reason, "path": None}
 

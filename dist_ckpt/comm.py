@@ -8,13 +8,18 @@ poison nothing when they time out.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 def current_rank_and_world() -> tuple[int, int]:
@@ -116,6 +121,20 @@ class Comm:
 
     def store_get(self, key: str) -> bytes:
         return self.store.get(key)
+
+    def publish_names(self, key: str, names: Iterable[str]) -> None:
+        """Replace ``key`` with a set of names, for :meth:`read_names` on any rank."""
+        self.store.set(key, json.dumps(sorted(names)).encode())
+
+    def read_names(self, key: str) -> frozenset[str]:
+        """The names last published under ``key``; empty when none were or the store fails
+        (logged): callers use them to keep things, so missing names keep less, never more."""
+        try:
+            if self.store.check([key]):
+                return frozenset(json.loads(self.store.get(key)))
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.warning("could not read %s from the c10d store", key)
+        return frozenset()
 
     def close(self) -> None:
         if self.distributed and self.group is not None:

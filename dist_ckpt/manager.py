@@ -10,7 +10,6 @@ background for an asynchronous save and coordinates only through the c10d store.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -78,7 +77,8 @@ class CheckpointManager:
         self.backend = self.remote if self.remote is not None else open_backend(config.root)
         if self.comm.rank == 0:
             try:
-                self._publish_pins(retention.read_pins(self.backend))
+                # leaders of other nodes read the pins from the store (pins.json is on this node)
+                self.comm.publish_names(PINS_KEY, retention.read_pins(self.backend))
             except Exception:  # noqa: BLE001 - a corrupt pins.json stops pruning, not training
                 log.exception("cannot read the pins under %s", config.root)
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-prune")
@@ -239,7 +239,7 @@ class CheckpointManager:
 
     def _prune_local_now(self) -> None:
         pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
-        pinned |= self._store_pins()
+        pinned |= self.comm.read_names(PINS_KEY)
         retention.prune(self.backend, self._committed_names(), keep_last=self.config.keep_last,
                         keep_every=self.config.keep_every,
                         pinned=pinned)
@@ -348,7 +348,7 @@ class CheckpointManager:
                 pins = retention.set_pin(self.backend, generation, label)
                 if self.mirror is not None:  # so that a prune of the mirror alone keeps them too
                     retention.write_pins(self.mirror, pins)
-                self._publish_pins(pins)
+                self.comm.publish_names(PINS_KEY, pins)
                 outcome = (pins, None)
             except Exception as exc:  # noqa: BLE001 - every rank raises it after the broadcast
                 outcome = (None, f"{type(exc).__name__}: {exc}")
@@ -357,18 +357,6 @@ class CheckpointManager:
             raise ValidationError(f"cannot change the pin of {generation}: {problem}",
                                   generation=generation)
         return pins
-
-    def _publish_pins(self, pins: dict[str, str]) -> None:
-        # rank 0's root holds pins.json; leaders of other nodes read the pins from the store
-        self.comm.store_set(PINS_KEY, json.dumps(sorted(pins)).encode())
-
-    def _store_pins(self) -> frozenset[str]:
-        try:
-            if self.comm.store.check([PINS_KEY]):
-                return frozenset(json.loads(self.comm.store_get(PINS_KEY)))
-        except Exception:  # noqa: BLE001 - prune then keeps only what this node's root pins
-            log.warning("could not read the pins from the store")
-        return frozenset()
 
     def generations(self) -> list[GenerationInfo]:
         """Every generation under the root, newest first, with its state (no digest check;

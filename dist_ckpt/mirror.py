@@ -104,9 +104,9 @@ class MirrorUploader:
 
     def _publish_pinned(self) -> None:
         # caller holds self._cond; generations still to upload, for followers' retention
-        names = sorted({g for g, _ in self._queue} | ({self._active} if self._active else set()))
+        names = {g for g, _ in self._queue} | ({self._active} if self._active else set())
         try:
-            self.comm.store_set(PINNED_KEY, json.dumps(names).encode())
+            self.comm.publish_names(PINNED_KEY, names)
         except Exception:  # noqa: BLE001 - followers keep their last view; uploads go on
             log.exception("could not publish the mirror's pinned generations")
 
@@ -133,14 +133,7 @@ class MirrorUploader:
         """Generations queued or being uploaded (by any rank): local retention keeps them."""
         with self._cond:
             mine = {g for g, _ in self._queue} | ({self._active} if self._active else set())
-        if self.comm.rank == 0:
-            return mine
-        try:
-            if self.comm.store.check([PINNED_KEY]):
-                mine |= set(json.loads(self.comm.store_get(PINNED_KEY)))
-        except Exception:  # noqa: BLE001 - without rank 0's view, keep what this rank knows
-            log.warning("could not read the mirror's pinned generations; pruning without them")
-        return mine
+        return mine if self.comm.rank == 0 else mine | self.comm.read_names(PINNED_KEY)
 
     def _next(self) -> tuple[str, bytes] | None:
         with self._cond:

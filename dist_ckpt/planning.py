@@ -93,9 +93,5 @@ class SavePlanCache:
 
 def plan_bytes(plan: SavePlan) -> int:
     """Tensor bytes a per-rank plan writes (DCP dedup already removed replicated copies)."""
-    total = 0
-    for item in plan.items:
-        if item.tensor_data is not None:
-            element = torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-            total += item.tensor_data.size.numel() * element
-    return total
+    return sum(item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+               for item in plan.items if item.tensor_data is not None)

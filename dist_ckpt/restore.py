@@ -97,11 +97,12 @@ def _validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bo
         # DCP unpickles .metadata without restriction before it knows anything else: its
         # digest is checked even when the caller turned digests off (an opt-out for trusted
         # storage: shards' non-tensor items are unpickled without restriction too)
-        hashed = mine if digests else [p for p in mine if p in ALWAYS_HASHED]
+        hashed = set(mine) if digests else set(mine) & ALWAYS_HASHED
         check_digests(backend, name, manifest, hashed)
-        # sizes on every rank: a node-local copy may lack other nodes' files
+        # the rest of this rank's share by size (a node-local copy may lack other nodes'
+        # files); a hashed file needs no size check: a missing or resized one fails its digest
         check_sizes(backend, name, manifest.model_copy(
-            update={"files": [f for f in manifest.files if f.path in set(mine)]}))
+            update={"files": [f for f in manifest.files if f.path in set(mine) - hashed]}))
     except Exception as exc:  # noqa: BLE001 - reported through the all-gather, never raised alone
         problem = Problem(name, _reason(exc), getattr(exc, "path", None))
     problems = [p for p in comm.all_gather(problem) if p is not None]

@@ -3,7 +3,6 @@ root is a small tmpfs. Prints one ``RESULT {json}`` line."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -11,16 +10,7 @@ import sys
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, InsufficientSpace, TrainState
-
-
-def tree_digest(root: str) -> dict[str, str]:
-    out = {}
-    for folder, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(folder, name)
-            with open(path, "rb") as handle:
-                out[os.path.relpath(path, root)] = hashlib.sha256(handle.read()).hexdigest()
-    return out
+from tests.test_faults_local import tree_digest
 
 
 def make_state() -> TrainState:
