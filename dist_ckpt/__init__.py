@@ -2,6 +2,7 @@
 
 from . import faults
 from .config import CheckpointConfig
+from .done import DoneRecord
 from .errors import (
     CommitError,
     ConfigError,
@@ -10,10 +11,12 @@ from .errors import (
     GenerationExists,
     InsufficientSpace,
     NotAtOptimizerBoundary,
+    SignatureError,
     StagingError,
     StorageError,
     TorchVersionMismatch,
     UnsafeNameError,
+    UntrustedGenerations,
     ValidationError,
 )
 from .inventory import GenerationInfo
@@ -30,17 +33,20 @@ __all__ = [
     "ConfigError",
     "ContractMismatch",
     "DistCkptError",
+    "DoneRecord",
     "GenerationExists",
     "GenerationInfo",
     "InsufficientSpace",
     "NotAtOptimizerBoundary",
     "ResumableSampler",
+    "SignatureError",
     "RestoreResult",
     "StagingError",
     "StorageError",
     "TorchVersionMismatch",
     "TrainState",
     "UnsafeNameError",
+    "UntrustedGenerations",
     "ValidationError",
     "__version__",
     "faults",

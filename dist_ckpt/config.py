@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from . import runinfo
 from .errors import ConfigError
 from .signing import KEY_ENV
 
@@ -25,7 +26,8 @@ class CheckpointConfig(BaseModel):
     """Settings of a :class:`CheckpointManager`.
 
     ``root`` is a local path or a URL (``file://``, ``s3://``); when omitted it is read
-    from the ``DIST_CKPT_ROOT`` environment variable.
+    from the ``DIST_CKPT_ROOT`` environment variable, and ``mirror`` from ``DIST_CKPT_MIRROR``
+    (both exported by ``python -m launch``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -55,13 +57,23 @@ class CheckpointConfig(BaseModel):
     hmac_key: SecretStr | None = Field(default=None, validate_default=True)
     strict_torch_version: bool = False
     allow_contract_change: bool = False
+    # when a signing key rejects every generation: "raise" UntrustedGenerations, or start
+    # "fresh" listing them as rejected; None = "raise" under the launcher, "fresh" otherwise
+    on_key_rejects_all: Literal["raise", "fresh"] | None = None
+    # maybe_save(): save every `save_every` updates, or "auto": T* = sqrt(2 C M) from the
+    # measured save cost C of this run and mtbf_s (save_every is then the first interval)
+    save_every: int | None = Field(default=None, ge=1)
+    cadence: Literal["fixed", "auto"] = "fixed"
+    mtbf_s: float = Field(default=4 * 3600.0, gt=0)
 
     def __init__(self, **data: object) -> None:
         try:
             super().__init__(**data)
         except ValidationError as exc:
             fields = ", ".join(".".join(str(p) for p in e["loc"]) or "config" for e in exc.errors())
-            raise ConfigError(f"invalid CheckpointConfig field(s) {fields}: {exc}") from exc
+            error = ConfigError(f"invalid CheckpointConfig field(s) {fields}: {exc}")
+            runinfo.report_failure(error)  # a restart cannot cure a bad config
+            raise error from exc
 
     @field_validator("root", mode="before")
     @classmethod
@@ -79,6 +91,14 @@ class CheckpointConfig(BaseModel):
             text = os.path.abspath(text)
         return text
 
+    @field_validator("mirror", mode="before")
+    @classmethod
+    def _mirror_from_env(cls, value: object) -> object:
+        # the launcher exports the run's mirror prefix next to its root
+        if value is None or value == "":
+            value = os.environ.get(runinfo.MIRROR_ENV) or None
+        return value
+
     @field_validator("hmac_key", mode="before")
     @classmethod
     def _key_from_env(cls, value: object) -> object:
@@ -94,6 +114,19 @@ class CheckpointConfig(BaseModel):
     @property
     def signing_key(self) -> bytes | None:
         return None if self.hmac_key is None else self.hmac_key.get_secret_value().encode("utf-8")
+
+    @model_validator(mode="after")
+    def _check_cadence(self) -> CheckpointConfig:
+        if self.cadence == "auto" and self.save_every is None:
+            # no measured save cost before the first save: it needs a first interval
+            raise ValueError("save_every is required with cadence='auto' (the first interval)")
+        return self
+
+    @property
+    def key_rejects_all_raises(self) -> bool:
+        if self.on_key_rejects_all is None:
+            return runinfo.under_launcher()
+        return self.on_key_rejects_all == "raise"
 
     @model_validator(mode="after")
     def _check_retention(self) -> CheckpointConfig:

@@ -23,6 +23,15 @@ class ValidationError(DistCkptError):
         self.path = path
 
 
+class SignatureError(ValidationError):
+    """A manifest signature is missing, unreadable or wrong under the configured key."""
+
+
+class UntrustedGenerations(ValidationError):
+    """A signing key is configured and rejects every generation under the root: the job
+    would otherwise start over from nothing (a wrong key or an unsigned run)."""
+
+
 class UnsafeNameError(ValidationError):
     """A generation or file name tries to escape its directory (traversal, absolute path)."""
 

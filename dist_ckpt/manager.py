@@ -10,6 +10,7 @@ background for an asynchronous save and coordinates only through the c10d store.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -20,18 +21,27 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import codec, retention
+from . import codec, retention, runinfo
 from . import contract as contract_mod
 from .comm import Comm
 from .config import CheckpointConfig
 from .coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save, run_save_in_background
-from .errors import CommitError, GenerationExists, NotAtOptimizerBoundary, ValidationError
+from .done import DONE_NAME, DoneRecord, record_for, write_done
+from .errors import (
+    CommitError,
+    ConfigError,
+    GenerationExists,
+    NotAtOptimizerBoundary,
+    UntrustedGenerations,
+    ValidationError,
+)
 from .inventory import GenerationInfo, inventory
-from .manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
-from .mirror import MirrorUploader
+from .manifest import MANIFEST_NAME, PENDING_PREFIX, Manifest, generation_name, parse_generation
+from .mirror import MirrorUploader, read_mirror_state
 from .planning import SavePlanCache, layout_fingerprint
 from .publish import PublishInfo
 from .restore import RestoreResult, load_generation, select_generation
+from .schedule import SaveSchedule
 from .space import check_space, free_bytes
 from .staging import StagingPool
 from .state import TrainState
@@ -42,6 +52,18 @@ from .version import __version__
 
 log = logging.getLogger(__name__)
 PINS_KEY = "pins"
+
+
+def reports_permanent(method):
+    """Tell the launcher about an error no restart can cure before raising it."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except runinfo.PERMANENT_ERRORS as exc:
+            runinfo.report_failure(exc)
+            raise
+    return wrapper
 
 
 @dataclass
@@ -61,6 +83,7 @@ class CheckpointManager:
         self.config = config
         self.state = state
         self.comm = Comm(timeout_s=3 * config.commit_timeout_s + 600)
+        self._check_run_id()
         self.remote = None
         if config.is_local:
             self.write_root = config.root
@@ -102,8 +125,23 @@ class CheckpointManager:
         self._raised: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.schedule = None if config.save_every is None else SaveSchedule(
+            every=config.save_every, auto=config.cadence == "auto", mtbf_s=config.mtbf_s)
+        runinfo.report(self.comm.rank, root=config.root, mirror=config.mirror,
+                       world_size=self.comm.world_size, pid=os.getpid(),
+                       contract_digest=contract_mod.digest(state.contract))
+
+    def _check_run_id(self) -> None:
+        # launchers of different nodes that disagree on the run would mix two runs' shards
+        run_ids = self.comm.all_gather(os.environ.get(runinfo.RUN_ID_ENV))
+        if len(set(run_ids)) > 1:
+            error = ConfigError(f"ranks disagree on the launcher run id ({runinfo.RUN_ID_ENV}): "
+                                f"{dict(enumerate(run_ids))}; start every node with the same run")
+            runinfo.report_failure(error, self.comm.rank)
+            raise error
 
     # ---- save ------------------------------------------------------------------------
+    @reports_permanent
     def save(self, next_update: int, *, tokens_seen: int | None = None) -> SaveJob | None:
         """Snapshot the state as generation ``next_update`` (all ranks, same arguments).
 
@@ -139,6 +177,76 @@ class CheckpointManager:
                           all(f["cached"] for f in agreed), agreed[0]["nonce"])
         self.stats.last_blocking_s = time.perf_counter() - started
         return job
+
+    def maybe_save(self, next_update: int, *, tokens_seen: int | None = None) -> SaveJob | None:
+        """Save when the configured cadence says so (all ranks, once per update, same
+        arguments): every ``save_every`` updates, or with ``cadence="auto"`` every
+        ``T* = sqrt(2 C M)`` converted to updates from this run's measured save cost and step
+        time. Returns the job when a save started, else None."""
+        self._check_open()
+        if self.schedule is None:
+            raise ConfigError("maybe_save needs CheckpointConfig(save_every=N) (field save_every)")
+        if not self.schedule.due(next_update):
+            return None
+        job = self.save(next_update, tokens_seen=tokens_seen)
+        if job is not None:
+            self.schedule.saved(next_update, self.stats.last_blocking_s, self.comm.broadcast)
+        return job
+
+    @reports_permanent
+    def finish(self, final_update: int, *, tokens_seen: int | None = None) -> DoneRecord:
+        """End the run (all ranks): commit generation ``final_update`` (unless a restart
+        finds it committed already), wait for it and for the mirror, then write
+        ``ROOT/DONE.json`` binding the contract digest, the generation's manifest digest and
+        the tokens seen. Raises ``CommitError`` (per-rank map) when any step fails; no DONE
+        is written then."""
+        self._check_open()
+        self.wait()
+        name = generation_name(final_update)
+        committed = self.comm.broadcast(
+            self._is_committed(name) if self.comm.rank == 0 else None)
+        if not committed:
+            self.save(final_update, tokens_seen=tokens_seen)
+        self.wait()
+        outcome: tuple[DoneRecord | None, str | None] = (None, None)
+        if self.comm.rank == 0:
+            outcome = self._done_record(name)
+        record, problem = self.comm.broadcast(outcome)
+        if record is None:
+            raise CommitError(f"{name} is not final: {problem}", generation=name,
+                              failures={0: str(problem)})
+        writes_done = self.comm.rank == (0 if self.remote is not None else self.comm.fs_leader)
+        failure = None
+        if writes_done:
+            try:
+                write_done(self.backend, record)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it after the all-gather
+                failure = f"cannot write {DONE_NAME}: {type(exc).__name__}: {exc}"
+        failures = {r: f for r, f in enumerate(self.comm.all_gather(failure)) if f is not None}
+        if failures:
+            raise CommitError(f"{DONE_NAME} for {name} not written", generation=name,
+                              failures=failures)
+        runinfo.report(self.comm.rank, done=name)
+        return record
+
+    def _is_committed(self, name: str) -> bool:
+        return any(g.name == name and g.state == "committed" for g in self.generations())
+
+    def _done_record(self, name: str) -> tuple[DoneRecord | None, str | None]:
+        """Rank 0: the DONE record of committed generation ``name``, or why there is none."""
+        if self.uploader is not None:
+            if not self.uploader.drain(self.config.close_timeout_s):
+                return None, f"mirror uploads still pending after {self.config.close_timeout_s} s"
+            completed = read_mirror_state(self.write_root).get("last_completed_update")
+            if completed is None or completed < parse_generation(name):
+                return None, "the mirror did not complete it (see mirror.json)"
+        try:
+            raw = self.backend.read_bytes(f"{name}/{MANIFEST_NAME}")
+            manifest = Manifest.from_bytes(raw, generation=name)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
+            return None, f"{type(exc).__name__}: {exc}"
+        return record_for(manifest, raw, run_id=os.environ.get(runinfo.RUN_ID_ENV),
+                          version=__version__), None
 
     def _agree(self, name: str, fingerprint: str) -> list[dict]:
         """One all-gather (all ranks): what each rank knows before a save may start."""
@@ -313,6 +421,7 @@ class CheckpointManager:
             raise CommitError("CheckpointManager is closed")
 
     # ---- restore and listing ---------------------------------------------------------
+    @reports_permanent
     def restore(self, *, components: Iterable[str] | None = None,
                 allow_contract_change: bool | None = None,
                 verify_digests: bool = True) -> RestoreResult:
@@ -324,6 +433,12 @@ class CheckpointManager:
         for problem in rejected:
             log.warning("rejected generation %s", problem)
         if name is None or manifest is None:
+            if rejected and all(p.signature for p in rejected) and self.config.key_rejects_all_raises:
+                raise UntrustedGenerations(
+                    f"the signing key rejects every generation under {self.config.root} "
+                    f"({len(rejected)}; first: {rejected[0]}); a fresh start would discard them")
+            runinfo.report(self.comm.rank, resumed_from=None, next_update=0,
+                           rejected=[str(p) for p in rejected])
             return RestoreResult(rejected=rejected)
         allow = self.config.allow_contract_change if allow_contract_change is None \
             else allow_contract_change
@@ -333,6 +448,10 @@ class CheckpointManager:
             allow_contract_change=allow, strict_torch_version=self.config.strict_torch_version,
             scratch_parent=self.config.cache_dir)
         result.rejected = rejected
+        runinfo.report(self.comm.rank, resumed_from=name, next_update=result.next_update,
+                       rejected=[str(p) for p in rejected])
+        if self.schedule is not None:
+            self.schedule.last_saved = result.next_update
         return result
 
     def pin(self, generation: str, label: str | None = "pinned") -> dict[str, str]:

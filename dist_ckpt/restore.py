@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import CheckpointException, StorageReader
 from . import codec, rng
 from . import contract as contract_mod
 from .comm import Comm
-from .errors import StorageError, TorchVersionMismatch, ValidationError
+from .errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError
 from .manifest import GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
 from .state import TrainState
 from .storage.base import Backend
@@ -86,7 +86,8 @@ def _validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bo
             check_sizes(backend, name, checked)
             verdict: str | Problem = checked.model_dump_json()
         except Exception as exc:  # noqa: BLE001 - any failure rejects it; peers wait on the broadcast
-            verdict = Problem(name, _reason(exc), getattr(exc, "path", None))
+            verdict = Problem(name, _reason(exc), getattr(exc, "path", None),
+                              signature=isinstance(exc, SignatureError))
     shared = comm.broadcast(verdict if comm.rank == 0 else None)
     if isinstance(shared, Problem):
         return shared

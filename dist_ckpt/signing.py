@@ -16,7 +16,7 @@ import hmac
 import json
 import os
 
-from .errors import ValidationError
+from .errors import SignatureError
 
 SIGNATURE_NAME = "manifest.sig"
 KEY_ENV = "DIST_CKPT_HMAC_KEY"
@@ -34,9 +34,9 @@ def sign(key: bytes, manifest_raw: bytes) -> bytes:
 
 
 def verify(key: bytes, manifest_raw: bytes, signature_raw: bytes | None, *, generation: str) -> None:
-    """Raise ``ValidationError`` unless ``signature_raw`` signs ``manifest_raw`` under ``key``."""
+    """Raise ``SignatureError`` unless ``signature_raw`` signs ``manifest_raw`` under ``key``."""
     if signature_raw is None:
-        raise ValidationError(f"{generation} is not signed and a signing key is configured",
+        raise SignatureError(f"{generation} is not signed and a signing key is configured",
                               generation=generation, path=SIGNATURE_NAME)
     try:
         if len(signature_raw) > MAX_SIGNATURE_BYTES:
@@ -46,15 +46,15 @@ def verify(key: bytes, manifest_raw: bytes, signature_raw: bytes | None, *, gene
         if len(mac) != 64 or not all(c in "0123456789abcdef" for c in mac):
             raise ValueError("the mac is not 64 lowercase hex digits")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValidationError(f"{generation}: {SIGNATURE_NAME} is unreadable",
+        raise SignatureError(f"{generation}: {SIGNATURE_NAME} is unreadable",
                               generation=generation, path=SIGNATURE_NAME) from exc
     if alg != "hmac-sha256":
-        raise ValidationError(f"{generation}: unsupported signature algorithm {alg!r}",
+        raise SignatureError(f"{generation}: unsupported signature algorithm {alg!r}",
                               generation=generation, path=SIGNATURE_NAME)
     expected = hmac.new(key, manifest_raw, hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected.encode("ascii"), mac.encode("ascii")):
         why = "signed with another key" if signer != key_id(key) else "manifest changed after signing"
-        raise ValidationError(f"{generation}: manifest signature does not verify ({why})",
+        raise SignatureError(f"{generation}: manifest signature does not verify ({why})",
                               generation=generation, path=SIGNATURE_NAME)
 
 

@@ -30,6 +30,7 @@ class Problem:
     reason: str
     path: str | None = None
     tier: str | None = None  # the root (local or mirror) the generation was read from
+    signature: bool = False  # rejected by the signing key (not by its bytes)
 
     def __str__(self) -> str:
         where = f" ({self.path})" if self.path else ""

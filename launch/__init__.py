@@ -1,4 +1,4 @@
-"""The torchrun launcher with a bounded restart policy (requirements section 6).
+"""The torchrun launcher: ``python -m launch`` runs a job with a bounded restart policy.
 
-Not implemented yet: this package is reserved for ``python -m launch`` in a later issue.
+See :mod:`launch.runner` for the loop and :mod:`launch.policy` for how a start is classified.
 """

@@ -1,0 +1,53 @@
+"""One start of the job: torch's elastic launcher (``torch.distributed.run``), in its own process.
+
+Usage (by the launcher only): ``python -m launch.agent RESULT.json TORCHRUN_ARGS...``.
+It runs torchrun in-process so that the per-rank failures (exit code, signal, error message)
+come back as data, and writes them to RESULT.json (atomic replace) before exiting. A separate
+process per start gives every start a fresh rendezvous and a fresh c10d store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+MESSAGE_LIMIT = 4000
+
+
+def _failures(exc: ChildFailedError) -> dict[str, dict[str, Any]]:
+    out = {}
+    for rank, failure in exc.failures.items():
+        message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+        out[str(rank)] = {"exitcode": failure.exitcode, "signal": failure.signal_name(),
+                          "local_rank": failure.local_rank, "message": message[-MESSAGE_LIMIT:],
+                          "timestamp": failure.timestamp}
+    return out
+
+
+def main(argv: list[str]) -> int:
+    result_path, torchrun_argv = argv[0], argv[1:]
+    result: dict[str, Any] = {"ok": False, "failures": {}, "signal": None, "error": None}
+    try:
+        run(parse_args(torchrun_argv))
+        result["ok"] = True
+    except ChildFailedError as exc:
+        result["failures"] = _failures(exc)
+    except SignalException as exc:
+        result["signal"] = exc.sigval.name
+    except Exception as exc:  # noqa: BLE001 - rendezvous timeouts and the like: a failed start
+        result["error"] = f"{type(exc).__name__}: {exc}"[-MESSAGE_LIMIT:]
+    tmp = f"{result_path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+    os.replace(tmp, result_path)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,151 @@
+"""Command line of ``python -m launch``: the launcher's own options plus torchrun's, unchanged.
+
+torchrun's options are parsed with torchrun's own parser (``torch.distributed.run``), so every
+option it has is accepted and validated as torchrun would, and forwarded token for token. The
+only rewrite: ``--max-restarts N`` becomes N + 1 launcher starts and torchrun gets
+``--max-restarts 0``, because an in-place torchrun restart does not give the checkpoint group
+a fresh rendezvous (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, field
+
+from torch.distributed.run import get_args_parser
+
+DEFAULT_BACKOFF = (10.0, 20.0, 40.0)
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass
+class LaunchOptions:
+    checkpoint_root: str
+    max_starts: int
+    backoff_s: list[float]
+    stop_file: str
+    fresh: bool
+    min_free_bytes: int | None
+    run_id: str | None
+    mirror: str | None
+    torchrun_argv: list[str]
+    torchrun: argparse.Namespace
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def script(self) -> str:
+        return self.torchrun.training_script
+
+    def backoff_before(self, start: int) -> float:
+        """Seconds to wait before start number ``start`` (2, 3, ...)."""
+        if start <= 1 or not self.backoff_s:
+            return 0.0
+        return self.backoff_s[min(start - 2, len(self.backoff_s) - 1)]
+
+
+def _backoff(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--backoff wants seconds like 10,20,40, not {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError("--backoff values must be >= 0")
+    return values
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"--min-free-bytes wants a size like 5000000000 or 5G, "
+                                         f"not {text!r}")
+    return int(match.group(1)) * units[match.group(2)]
+
+
+def _run_id(text: str) -> str:
+    if not _RUN_ID.match(text):
+        raise argparse.ArgumentTypeError(f"--run-id {text!r}: letters, digits, '_', '.', '-' only")
+    return text
+
+
+def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("dist_ckpt launcher (everything else is torchrun's)")
+    group.add_argument("--checkpoint-root", required=True, metavar="ROOT",
+                       help="local or shared directory: runs/<id>/ holds each run's generations")
+    group.add_argument("--max-starts", type=_positive, default=None,
+                       help="starts before giving up (default 3; torchrun's --max-restarts N "
+                            "means N + 1 starts)")
+    group.add_argument("--backoff", type=_backoff, default=list(DEFAULT_BACKOFF),
+                       metavar="S1,S2,...", help="seconds to wait before the 2nd, 3rd, ... start "
+                                                 "(the last value repeats; default 10,20,40)")
+    group.add_argument("--stop-file", default=None, metavar="PATH",
+                       help="operator stop: when it exists the workers get SIGTERM and nothing "
+                            "starts again (default ROOT/STOP)")
+    group.add_argument("--fresh", action="store_true",
+                       help="start a new run in a new run directory; earlier runs are kept")
+    group.add_argument("--min-free-bytes", type=_bytes, default=None, metavar="BYTES",
+                       help="free space a start needs (default: the newest generation's size)")
+    group.add_argument("--run-id", type=_run_id, default=None,
+                       help="name of the run to start or continue (default: the active run, "
+                            "or the next number); give the same one on every node")
+    group.add_argument("--mirror", default=None, metavar="URL",
+                       help="object-store URL; each run replicates to URL/runs/<id>")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = get_args_parser()
+    parser.prog = "python -m launch"
+    parser.description = ("Run a torchrun job with dist_ckpt checkpoints and a bounded restart "
+                          "policy. All torchrun options are accepted and forwarded.")
+    _add_launcher_options(parser)
+    return parser
+
+
+def _strip_launcher_options(head: list[str]) -> tuple[list[str], int | None]:
+    """The torchrun tokens of ``head`` in order, without the launcher's options, and the
+    value of ``--max-restarts`` when given (removed: the launcher owns restarts)."""
+    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _add_launcher_options(ours)
+    ours.add_argument("--max-restarts", "--max_restarts", type=int, default=None)
+    for action in ours._actions:
+        action.required = False
+    known, rest = ours.parse_known_args(head)
+    return rest, known.max_restarts
+
+
+def parse(argv: list[str]) -> LaunchOptions:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tail = 1 + len(args.training_script_args)
+    head, script_part = argv[: len(argv) - tail], argv[len(argv) - tail:]
+    if not script_part or script_part[0] != args.training_script:
+        parser.error("could not find the training script in the command line")
+    torchrun_head, max_restarts = _strip_launcher_options(head)
+    notes = []
+    max_starts = args.max_starts
+    if max_restarts is not None:
+        if max_starts is None:
+            max_starts = max_restarts + 1
+        notes.append(f"torchrun --max-restarts {max_restarts} is run as launcher restarts "
+                     f"(--max-starts {max_starts}): each start is a fresh torchrun with a fresh "
+                     f"rendezvous")
+    root = os.path.abspath(args.checkpoint_root)
+    if "://" in args.checkpoint_root:
+        parser.error("--checkpoint-root must be a directory; put object storage in --mirror")
+    args.max_restarts = 0
+    return LaunchOptions(
+        checkpoint_root=root, max_starts=max_starts or 3, backoff_s=args.backoff,
+        stop_file=os.path.abspath(args.stop_file) if args.stop_file else os.path.join(root, "STOP"),
+        fresh=args.fresh, min_free_bytes=args.min_free_bytes, run_id=args.run_id,
+        mirror=args.mirror.rstrip("/") if args.mirror else None,
+        torchrun_argv=["--max-restarts", "0", *torchrun_head, *script_part],
+        torchrun=args, notes=notes)

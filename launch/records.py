@@ -1,0 +1,63 @@
+"""What the launcher says about each start: one line for a person, one JSON line for tools."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+LOG_NAME = "launch-log.jsonl"
+
+
+@dataclass
+class StartRecord:
+    run_id: str
+    start: int
+    max_starts: int
+    nodes: str
+    procs_per_node: str
+    world_size: int | None = None
+    resumed_from: str | None = None  # generation name, "fresh", or None when nobody reported
+    resumed_update: int | None = None
+    final_update: int | None = None
+    updates: int | None = None
+    began_unix: float = 0.0
+    duration_s: float = 0.0
+    backoff_s: float = 0.0
+    classification: str = ""
+    reason: str = ""
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+
+    def line(self) -> str:
+        resumed = {None: "resume point unknown", "fresh": "fresh start"}.get(
+            self.resumed_from, f"resumed from {self.resumed_from}")
+        world = f"{self.nodes} x {self.procs_per_node}"
+        if self.world_size is not None:
+            world += f" = {self.world_size} ranks"
+        return (f"[launch] start {self.start}/{self.max_starts} | world {world} | {resumed} | "
+                f"{self.duration_s:.1f} s | {self.classification}: {self.reason}")
+
+
+def emit(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def append(root: str, record: StartRecord) -> None:
+    with open(os.path.join(root, LOG_NAME), "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(asdict(record), sort_keys=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def summary(records: list[StartRecord], outcome: str) -> str:
+    header = ["start", "world", "resumed from", "updates", "seconds", "result", "why"]
+    rows = [header] + [[str(r.start), str(r.world_size or f"{r.nodes}x{r.procs_per_node}"),
+                        r.resumed_from or "?", "-" if r.updates is None else str(r.updates),
+                        f"{r.duration_s:.1f}", r.classification, r.reason[:100]] for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines = [f"[launch] {outcome}"]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)] + [row[-1]]
+        lines.append("[launch]   " + "  ".join(cells).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""Run directories under the launcher's ROOT: which run is active, and ``--fresh``.
+
+Layout::
+
+    ROOT/current              the active run id (atomic replace)
+    ROOT/runs/<id>/           that run's checkpoint root (DIST_CKPT_ROOT): generations, DONE.json
+    ROOT/runs/<id>/.launch/   per-start worker reports (see dist_ckpt.runinfo)
+    ROOT/launch-log.jsonl     one JSON line per start, every run
+    ROOT/STOP                 the default operator stop file
+
+``--fresh`` only ever adds a run directory and rewrites ``current``; it never deletes, moves or
+rewrites an earlier run (requirements: a fresh run gets a fresh directory, evidence is kept).
+A ROOT that already holds generations at its top level and no ``current`` (a job that used
+``CheckpointConfig(root=ROOT)`` before the launcher) is continued in place as run ``root``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from dist_ckpt.manifest import parse_generation
+from dist_ckpt.storage.local import atomic_write
+
+CURRENT_NAME = "current"
+RUNS_DIR = "runs"
+LEGACY_RUN = "root"
+_NUMBERED = re.compile(r"^\d{4,}$")
+
+
+class RunDirError(Exception):
+    """The run directory cannot be chosen as asked (exit 2)."""
+
+
+def run_dir(root: str, run_id: str) -> str:
+    return root if run_id == LEGACY_RUN else os.path.join(root, RUNS_DIR, run_id)
+
+
+def read_current(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, CURRENT_NAME), encoding="utf-8") as handle:
+            value = handle.read().strip()
+    except FileNotFoundError:
+        return None
+    return value or None
+
+
+def _next_number(root: str) -> str:
+    try:
+        names = os.listdir(os.path.join(root, RUNS_DIR))
+    except FileNotFoundError:
+        names = []
+    numbers = [int(n) for n in names if _NUMBERED.match(n)]
+    return f"{max(numbers, default=0) + 1:04d}"
+
+
+def _has_top_level_generations(root: str) -> bool:
+    return any(parse_generation(name) is not None for name in os.listdir(root))
+
+
+def choose_run(root: str, *, fresh: bool, run_id: str | None) -> tuple[str, str, bool]:
+    """``(run id, run directory, created)`` for this launch; records it in ``ROOT/current``."""
+    os.makedirs(root, exist_ok=True)
+    current = read_current(root)
+    if run_id is not None:
+        chosen = run_id
+        if fresh and os.path.isdir(run_dir(root, chosen)) and os.listdir(run_dir(root, chosen)):
+            raise RunDirError(f"--fresh --run-id {chosen}: {run_dir(root, chosen)} exists already")
+    elif fresh:
+        chosen = _next_number(root)
+    elif current is not None:
+        chosen = current
+    elif _has_top_level_generations(root):
+        chosen = LEGACY_RUN
+    else:
+        chosen = _next_number(root)
+    directory = run_dir(root, chosen)
+    created = not os.path.isdir(directory)
+    os.makedirs(directory, exist_ok=True)
+    if chosen != current:
+        atomic_write(os.path.join(root, CURRENT_NAME), f"{chosen}\n".encode())
+    return chosen, directory, created
