@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import hashlib
 import os
 import pickle
 import socket
@@ -67,3 +68,14 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as handle:
                 results.append(pickle.load(handle))
         return results
+
+
+def tree_digest(root: str) -> dict[str, str]:
+    """sha256 of every file under ``root``, by relative path: "byte-identical" as data."""
+    out = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as handle:
+                out[os.path.relpath(path, root)] = hashlib.sha256(handle.read()).hexdigest()
+    return out

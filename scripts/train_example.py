@@ -140,11 +140,11 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank == 0 and next_update % 4 == 0:
                 print(f"[train] update {next_update}: loss {loss.item():.5f}", flush=True)
+            if next_update < args.updates:
+                mgr.maybe_save(next_update, tokens_seen=next_update * args.batch * world)
             if next_update == args.stop_at:
                 mgr.wait()
                 break
-            if next_update < args.updates:
-                mgr.maybe_save(next_update, tokens_seen=next_update * args.batch * world)
         else:
             done = mgr.finish(args.updates, tokens_seen=args.updates * args.batch * world)
             if rank == 0:

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, InsufficientSpace, TrainState
-from tests.test_faults_local import tree_digest
+from dist_ckpt.testing import tree_digest
 
 
 def make_state() -> TrainState:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
@@ -19,6 +18,7 @@ from dist_ckpt import (
     faults,
 )
 from dist_ckpt.cli import main as cli
+from dist_ckpt.testing import tree_digest
 
 
 def make_state(contract: dict | None = None) -> TrainState:
@@ -41,16 +41,6 @@ def two_generations(root: str, **config) -> TrainState:
             step(state)
             mgr.save(update)
     return state
-
-
-def tree_digest(root: str) -> dict[str, str]:
-    out = {}
-    for base, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(base, name)
-            with open(path, "rb") as handle:
-                out[os.path.relpath(path, root)] = hashlib.sha256(handle.read()).hexdigest()
-    return out
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bitflip"])

@@ -1,0 +1,83 @@
+"""Helpers for the launcher tests: run ``python -m launch`` on the example job and read its log."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "scripts", "train_example.py")
+
+
+@dataclass
+class Launched:
+    returncode: int
+    output: str
+    starts: list[dict]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def command(root: str, *launcher_args: str, nproc: int = 2, script: str = EXAMPLE,
+            script_args: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "launch", "--checkpoint-root", root, *launcher_args,
+            "--nproc-per-node", str(nproc), "--standalone", script, *script_args]
+
+
+def launch(root: str, *launcher_args: str, nproc: int = 2, script: str = EXAMPLE,
+           script_args: tuple[str, ...] = (), timeout: float = 240) -> Launched:
+    before = len(read_log(root))
+    proc = subprocess.run(command(root, *launcher_args, nproc=nproc, script=script,
+                                  script_args=script_args),
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    return Launched(proc.returncode, proc.stdout + proc.stderr, read_log(root)[before:])
+
+
+def read_log(root: str) -> list[dict]:
+    try:
+        with open(os.path.join(root, "launch-log.jsonl"), encoding="utf-8") as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def run_dir(root: str) -> str:
+    with open(os.path.join(root, "current"), encoding="utf-8") as handle:
+        return os.path.join(root, "runs", handle.read().strip())
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll a condition on files the job writes, bounded by ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def workers_training(root: str, world_size: int) -> bool:
+    """True once every rank of the current start reported where it resumed from."""
+    try:
+        launch_dir = os.path.join(run_dir(root), ".launch")
+        starts = sorted(os.listdir(launch_dir))
+    except OSError:
+        return False
+    if not starts:
+        return False
+    newest = os.path.join(launch_dir, starts[-1])
+    reports = []
+    for name in os.listdir(newest):
+        if name.startswith("rank-"):
+            with open(os.path.join(newest, name), encoding="utf-8") as handle:
+                try:
+                    reports.append(json.load(handle))
+                except ValueError:
+                    return False
+    return sum("resumed_from" in r for r in reports) == world_size
