@@ -44,7 +44,8 @@ class CheckpointConfig(BaseModel):
     keep_every: int | None = Field(default=None, ge=1)  # milestones kept by every tier's pruning
     storage_options: dict[str, Any] = Field(default_factory=dict)
     cache_dir: str | None = None  # local scratch for object-store roots (default: a temp dir)
-    mirror: str | None = None  # object-store URL that committed local generations replicate to
+    # object-store URL that committed local generations replicate to (default: $DIST_CKPT_MIRROR)
+    mirror: str | None = Field(default=None, validate_default=True)
     mirror_queue: int = Field(default=2, ge=1, le=64)  # generations waiting; older ones skipped
     mirror_concurrency: int = Field(default=4, ge=1, le=64)  # parallel object uploads per rank
     mirror_timeout_s: float = Field(default=1800.0, gt=0)

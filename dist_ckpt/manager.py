@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import codec, retention, runinfo
+from . import codec, quarantine, retention, runinfo
 from . import contract as contract_mod
 from .comm import Comm
 from .config import CheckpointConfig
@@ -432,11 +432,14 @@ class CheckpointManager:
                                                               key=self.config.signing_key)
         for problem in rejected:
             log.warning("rejected generation %s", problem)
+        if name is None and rejected and all(p.signature for p in rejected) \
+                and self.config.key_rejects_all_raises:
+            raise UntrustedGenerations(
+                f"the signing key rejects every generation under {self.config.root} "
+                f"({len(rejected)}; first: {rejected[0]}); a fresh start would discard them")
+        if self.config.is_local:
+            quarantine.move_blocking(self.comm, self.config.root, rejected, name)
         if name is None or manifest is None:
-            if rejected and all(p.signature for p in rejected) and self.config.key_rejects_all_raises:
-                raise UntrustedGenerations(
-                    f"the signing key rejects every generation under {self.config.root} "
-                    f"({len(rejected)}; first: {rejected[0]}); a fresh start would discard them")
             runinfo.report(self.comm.rank, resumed_from=None, next_update=0,
                            rejected=[str(p) for p in rejected])
             return RestoreResult(rejected=rejected)

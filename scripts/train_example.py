@@ -22,6 +22,7 @@ import os
 import random
 import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -31,6 +32,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ResumableSampler, TrainState
+from dist_ckpt.manifest import MANIFEST_NAME, generation_name
+from dist_ckpt.storage.base import open_backend
 
 NUM_SAMPLES = 4096
 
@@ -49,9 +52,12 @@ def parse() -> argparse.Namespace:
     evidence = parser.add_argument_group("fault injection and evidence")
     evidence.add_argument("--crash-at", type=int, default=None,
                           help="SIGKILL a rank after this update, once (see --crash-marker)")
-    evidence.add_argument("--crash-rank", type=int, default=1)
+    evidence.add_argument("--crash-rank", type=int, default=1, help="-1: whichever rank has "
+                          "no --crash-marker (a marker on a node-local disk picks the node)")
     evidence.add_argument("--crash-marker", default=None,
                           help="file created before the crash; no crash when it exists")
+    evidence.add_argument("--crash-after-mirrored", action="store_true",
+                          help="before crashing, wait until the mirror holds the newest save")
     evidence.add_argument("--abort-after-finish", action="store_true",
                           help="rank 1 aborts (SIGABRT) after DONE, like a teardown race")
     evidence.add_argument("--record-samples", default=None, metavar="DIR",
@@ -91,6 +97,18 @@ def gathered(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     for param, per_param in optim_sd["state"].items():
         flat.update({f"optim/{param}/{k}": v for k, v in per_param.items() if torch.is_tensor(v)})
     return flat
+
+
+def wait_until_mirrored(config: CheckpointConfig, update: int | None, timeout_s: float = 120) -> None:
+    """Poll the mirror (bounded) until generation ``update`` is committed there."""
+    if config.mirror is None or update is None:
+        return
+    mirror = open_backend(config.mirror, config.storage_options)
+    deadline = time.monotonic() + timeout_s
+    while not mirror.exists(f"{generation_name(update)}/{MANIFEST_NAME}"):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{generation_name(update)} never reached {config.mirror}")
+        time.sleep(0.2)
 
 
 def on_sigterm(signal_dir: str | None, rank: int):
@@ -133,10 +151,12 @@ def main() -> None:
                 with open(os.path.join(args.record_samples, f"w{world}-rank{rank}.jsonl"), "a") as out:
                     out.write(json.dumps({"update": update, "indices": indices}) + "\n")
             next_update = update + 1
-            if next_update == args.crash_at and rank == args.crash_rank and not (
+            if next_update == args.crash_at and args.crash_rank in (rank, -1) and not (
                     args.crash_marker and os.path.exists(args.crash_marker)):
                 if args.crash_marker:
                     open(args.crash_marker, "w").close()
+                if args.crash_after_mirrored:
+                    wait_until_mirrored(ckpt, mgr.schedule.last_saved)
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank == 0 and next_update % 4 == 0:
                 print(f"[train] update {next_update}: loss {loss.item():.5f}", flush=True)
