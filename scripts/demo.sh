@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the demo: a 2-rank FSDP2 job on gloo saves and stops, then a
-# 3-rank job resumes from the newest valid generation and checks the loaded tensors.
+# 3-rank job resumes from the newest valid generation and checks the loaded tensors; then the
+# launcher runs the example job, one worker is SIGKILLed, and the launcher restarts it to DONE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -12,3 +13,7 @@ run 2 --until 6 --save-every 3
 echo "== phase 2: 3 ranks resume and train to update 9"
 run 3 --until 9 --save-every 3
 .venv/bin/dist-ckpt ls "$root/ckpt"
+echo "== phase 3: python -m launch; a worker is SIGKILLed at update 10; the launcher restarts the job"
+.venv/bin/python -m launch --checkpoint-root "$root/launch" --backoff 2 --standalone --nproc-per-node 2 \
+  scripts/train_example.py --updates 24 --save-every 4 --crash-at 10 --crash-marker "$root/launch/crashed"
+.venv/bin/dist-ckpt ls "$root/launch/runs/$(cat "$root/launch/current")"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 
 import numpy as np
 import torch
@@ -42,6 +43,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
+    # every random source seeded: ranks that did not exist at save time derive their streams
+    # from rank 0's saved Python state, so an unseeded `random` makes resharded runs differ
+    random.seed(rank)
+    np.random.seed(rank)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(WIDTH, 1))
     for layer in (model[0], model[3]):

@@ -11,7 +11,7 @@ import sys
 import time
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
-from tests.test_faults_local import make_state, step
+from tests.local_jobs import make_state, step
 
 
 def main() -> None:

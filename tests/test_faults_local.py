@@ -14,33 +14,11 @@ from dist_ckpt import (
     ContractMismatch,
     GenerationExists,
     NotAtOptimizerBoundary,
-    TrainState,
     faults,
 )
 from dist_ckpt.cli import main as cli
 from dist_ckpt.testing import tree_digest
-
-
-def make_state(contract: dict | None = None) -> TrainState:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    return TrainState(model, optimizer, contract=contract or {"config": "v1"})
-
-
-def step(state: TrainState) -> None:
-    state.model(torch.randn(2, 8)).sum().backward()
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-
-
-def two_generations(root: str, **config) -> TrainState:
-    state = make_state()
-    with CheckpointManager(CheckpointConfig(root=root, **config), state) as mgr:
-        for update in (1, 2):
-            step(state)
-            mgr.save(update)
-    return state
+from tests.local_jobs import make_state, step, two_generations
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bitflip"])
@@ -56,13 +34,16 @@ def test_corrupt_newest_shard_falls_back(tmp_path, damage: str) -> None:
             byte = handle.read(1)
             handle.seek(100)
             handle.write(bytes([byte[0] ^ 0x01]))
+    assert cli(["verify", root, "gen-000000000002"]) == 1
     fresh = make_state()
     with CheckpointManager(CheckpointConfig(root=root), fresh) as mgr:
         result = mgr.restore()
     assert result.generation == "gen-000000000001"
     assert result.next_update == 1
     assert [(p.generation, p.path) for p in result.rejected] == [("gen-000000000002", "dcp/__0_0.distcp")]
-    assert cli(["verify", root, "gen-000000000002"]) == 1
+    # moved aside (kept, not deleted) so that update 2 can be saved again
+    assert not os.path.exists(os.path.join(root, "gen-000000000002"))
+    assert [n[:16] for n in os.listdir(os.path.join(root, "rejected"))] == ["gen-000000000002"]
     assert cli(["verify", root, "gen-000000000001"]) == 0
 
 

@@ -16,7 +16,7 @@ from dist_ckpt.cli import main as cli
 from dist_ckpt.inventory import inventory
 from dist_ckpt.mirror import read_mirror_state
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
-from tests.test_faults_local import make_state, step
+from tests.local_jobs import make_state, step
 
 FILES_PER_GENERATION = 4  # one shard, .metadata, train_state.json, rank-00000.json
 

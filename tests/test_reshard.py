@@ -3,27 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_ckpt.testing import run_ranks
 from tests import workers
+from tests.workers import check_restart
 
 STEPS = 6
-
-
-def check_restart(saved: dict, loaded: list[dict], old_world: int, steps: int = STEPS) -> None:
-    full = loaded[0]["full"]
-    assert saved["full"].keys() == full.keys()
-    for key, tensor in saved["full"].items():
-        assert torch.equal(tensor, full[key]), f"{key} differs after resharding"
-    for rank_result in loaded:
-        assert rank_result["generation"] == f"gen-{steps:012d}"
-        assert rank_result["next_update"] == steps
-    consumed = [i for batch in saved["batches"] for i in batch]
-    remaining = [i for r in loaded for i in r["remaining"]]
-    assert len(remaining) == len(set(remaining)), "a sample was handed out twice"
-    assert len(consumed) * old_world + len(remaining) == workers.NUM_SAMPLES
-    assert not set(remaining) & set(consumed)
 
 
 def test_fsdp_two_to_three_and_one(tmp_path) -> None:
@@ -32,7 +17,7 @@ def test_fsdp_two_to_three_and_one(tmp_path) -> None:
     all_consumed = {i for r in saved for b in r["batches"] for i in b}
     for new_world in (3, 1):
         loaded = run_ranks(new_world, workers.load_resharded, "fsdp", root)
-        check_restart(saved[0], loaded, old_world=2)
+        check_restart(saved[0], loaded, old_world=2, steps=STEPS)
         remaining = {i for r in loaded for i in r["remaining"]}
         assert remaining | all_consumed == set(range(workers.NUM_SAMPLES))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dist_ckpt.cli import main as cli
 from dist_ckpt.testing import run_ranks
 from tests import workers
-from tests.test_reshard import check_restart
+from tests.workers import check_restart
 
 
 def test_fsdp_round_trip_through_s3_two_to_three(s3_root: str) -> None:

@@ -12,7 +12,7 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, faults
 from dist_ckpt.cli import main as cli
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
 from dist_ckpt.validate import read_manifest
-from tests.test_faults_local import make_state, step, two_generations
+from tests.local_jobs import make_state, step, two_generations
 
 
 def test_s3_round_trip_and_cli(s3_root: str, tmp_path) -> None:

@@ -167,3 +167,19 @@ def load_resharded(rank: int, world: int, kind: str, root: str) -> dict:
     mgr.close()
     return {"generation": result.generation, "next_update": result.next_update, "full": full,
             "remaining": remaining, "tokens_seen": result.tokens_seen}
+
+
+def check_restart(saved: dict, loaded: list[dict], old_world: int, steps: int) -> None:
+    """A resharded restart loaded the saved tensors bitwise and hands out every sample once."""
+    full = loaded[0]["full"]
+    assert saved["full"].keys() == full.keys()
+    for key, tensor in saved["full"].items():
+        assert torch.equal(tensor, full[key]), f"{key} differs after resharding"
+    for rank_result in loaded:
+        assert rank_result["generation"] == f"gen-{steps:012d}"
+        assert rank_result["next_update"] == steps
+    consumed = [i for batch in saved["batches"] for i in batch]
+    remaining = [i for r in loaded for i in r["remaining"]]
+    assert len(remaining) == len(set(remaining)), "a sample was handed out twice"
+    assert len(consumed) * old_world + len(remaining) == NUM_SAMPLES
+    assert not set(remaining) & set(consumed)

@@ -1,0 +1,29 @@
+"""A tiny single-process job for library tests: a state, one training step, two generations."""
+
+from __future__ import annotations
+
+import torch
+
+from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
+
+
+def make_state(contract: dict | None = None) -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    return TrainState(model, optimizer, contract=contract or {"config": "v1"})
+
+
+def step(state: TrainState) -> None:
+    state.model(torch.randn(2, 8)).sum().backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+
+
+def two_generations(root: str, **config) -> TrainState:
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=root, **config), state) as mgr:
+        for update in (1, 2):
+            step(state)
+            mgr.save(update)
+    return state
