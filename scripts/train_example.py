@@ -65,7 +65,7 @@ def parse() -> argparse.Namespace:
     evidence.add_argument("--dump-final", default=None, metavar="PATH",
                           help="rank 0 saves the gathered final model and optimizer tensors")
     evidence.add_argument("--signal-dir", default=None,
-                          help="on SIGTERM, each rank writes DIR/sigterm-rank<r> and exits")
+                          help="on SIGTERM/SIGINT, each rank writes DIR/signal-rank<r> and exits")
     return parser.parse_args()
 
 
@@ -111,10 +111,10 @@ def wait_until_mirrored(config: CheckpointConfig, update: int | None, timeout_s:
         time.sleep(0.2)
 
 
-def on_sigterm(signal_dir: str | None, rank: int):
+def on_stop_signal(signal_dir: str | None, rank: int):
     def handler(signum: int, _frame: object) -> None:
         if signal_dir:
-            with open(os.path.join(signal_dir, f"sigterm-rank{rank}"), "w") as marker:
+            with open(os.path.join(signal_dir, f"signal-rank{rank}"), "w") as marker:
                 marker.write(str(signum))
         os._exit(128 + signum)
     return handler
@@ -124,7 +124,8 @@ def main() -> None:
     args = parse()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    signal.signal(signal.SIGTERM, on_sigterm(args.signal_dir, rank))
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):  # the launcher forwards either
+        signal.signal(stop_signal, on_stop_signal(args.signal_dir, rank))
     noise = seed_everything(1234 + rank)
     model, optimizer = build(args, rank)
     data = torch.randn(NUM_SAMPLES, 16, generator=torch.Generator().manual_seed(7))

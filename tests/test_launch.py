@@ -60,7 +60,7 @@ def test_contract_mismatch_is_permanent(tmp_path) -> None:
     assert "permanent: rank" in changed.output and "ContractMismatch" in changed.output
 
 
-@pytest.mark.parametrize("how", ["stop-file", "sigterm"])
+@pytest.mark.parametrize("how", ["stop-file", "sigterm", "sigint"])
 def test_operator_stop_ends_the_loop(tmp_path, how: str) -> None:
     root, signals = str(tmp_path / "root"), tmp_path / "signals"
     signals.mkdir()
@@ -75,15 +75,18 @@ def test_operator_stop_ends_the_loop(tmp_path, how: str) -> None:
         if how == "stop-file":
             stop_file.touch()
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 4, output[-3000:]
     starts = read_log(root)
     assert len(starts) == 1 and starts[0]["classification"] == "stopped"
-    assert sorted(os.listdir(signals)) == ["sigterm-rank0", "sigterm-rank1"]
-    assert ("stop file" if how == "stop-file" else "SIGTERM received") in starts[0]["reason"]
+    expected = {"stop-file": "stop file", "sigterm": "SIGTERM received", "sigint": "SIGINT received"}
+    assert expected[how] in starts[0]["reason"]
+    assert sorted(os.listdir(signals)) == ["signal-rank0", "signal-rank1"]
+    forwarded = signal.SIGINT if how == "sigint" else signal.SIGTERM
+    assert {(signals / name).read_text() for name in os.listdir(signals)} == {str(int(forwarded))}
 
 
 def test_max_starts_with_backoff(tmp_path) -> None:
@@ -103,6 +106,13 @@ def test_missing_script_is_permanent(tmp_path) -> None:
     result = launch(str(tmp_path), script=str(tmp_path / "nope.py"))
     assert result.returncode == 1
     assert len(result.starts) == 1 and "training script not found" in result.starts[0]["reason"]
+
+
+def test_too_little_free_space_is_permanent(tmp_path) -> None:
+    result = launch(str(tmp_path), "--min-free-bytes", "1000000T")
+    assert result.returncode == 1
+    assert len(result.starts) == 1 and "insufficient space" in result.starts[0]["reason"]
+    assert result.starts[0]["classification"] == "permanent"
 
 
 def test_world_size_change_consumes_every_sample_once(tmp_path) -> None:
