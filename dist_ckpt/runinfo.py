@@ -87,6 +87,7 @@ def report_failure(exc: BaseException, rank: int | None = None) -> None:
 
 
 def read_report(path: str) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None when absent, unreadable or not an object."""
     try:
         with open(path, encoding="utf-8") as handle:
             loaded = json.load(handle)

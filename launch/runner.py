@@ -10,7 +10,6 @@ are forwarded once to the agent, which forwards them to the workers; no further 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import shutil
 import signal
@@ -113,7 +112,7 @@ class Launcher:
         began = time.monotonic()
         agent_rc, stop = self._run_agent(start, start_dir, result_path)
         record.duration_s = round(time.monotonic() - began, 3)
-        result = _read_json(result_path)
+        result = runinfo.read_report(result_path)
         reports = runinfo.read_reports(start_dir)
         verdict = policy.classify(run_root=self.run_dir, reports=reports, result=result,
                                   agent_rc=agent_rc, stop_reason=stop, mirror=self.mirror)
@@ -203,15 +202,6 @@ class Launcher:
             if remaining <= 0:
                 return
             self._wake.wait(min(POLL_S, remaining))
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            loaded = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    return loaded if isinstance(loaded, dict) else None
 
 
 def _latest(run_dir: str) -> LatestPointer | None:
