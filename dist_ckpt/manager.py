@@ -35,7 +35,7 @@ from .errors import (
     UntrustedGenerations,
     ValidationError,
 )
-from .inventory import GenerationInfo, inventory
+from .inventory import GenerationInfo, inspect_generation, inventory
 from .manifest import MANIFEST_NAME, PENDING_PREFIX, Manifest, generation_name, parse_generation
 from .mirror import MirrorUploader, read_mirror_state
 from .planning import SavePlanCache, layout_fingerprint
@@ -230,7 +230,10 @@ class CheckpointManager:
         return record
 
     def _is_committed(self, name: str) -> bool:
-        return any(g.name == name and g.state == "committed" for g in self.generations())
+        if not self.backend.exists(f"{name}/{MANIFEST_NAME}"):
+            return False
+        return inspect_generation(self.backend, name, digests=False,
+                                  key=self.config.signing_key).state == "committed"
 
     def _done_record(self, name: str) -> tuple[DoneRecord | None, str | None]:
         """Rank 0: the DONE record of committed generation ``name``, or why there is none."""

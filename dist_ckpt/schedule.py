@@ -2,7 +2,8 @@
 
 Every rank must take the same decision at the same update, or the save's collective would
 hang. Decisions therefore depend only on ``next_update`` and on an interval that all ranks
-agree on: the fixed ``save_every``, or, with ``cadence="auto"``, rank 0's
+agree on: the fixed ``save_every`` (saves at its multiples, so that ``keep_every`` milestones
+line up across restarts), or, with ``cadence="auto"``, rank 0's
 ``T* = sqrt(2 C M)`` converted to updates, broadcast on the checkpoint group right after each
 save (all ranks are inside ``maybe_save`` then). C is the median training time lost per save
 in this run (the blocking part of ``save()``), the step time the median wall time between
@@ -37,7 +38,8 @@ class SaveSchedule:
             per_update = (now - self._last_call[1]) / (next_update - self._last_call[0])
             self._step_times = (self._step_times + [per_update])[-self._history:]
         self._last_call = (next_update, now)
-        if self.last_saved is None:
+        if not self.auto or self.last_saved is None:
+            # a fixed cadence saves at multiples, so milestones (keep_every) line up after restarts
             return next_update % self.interval == 0
         return next_update - self.last_saved >= self.interval
 

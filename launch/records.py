@@ -32,7 +32,8 @@ class StartRecord:
     def line(self) -> str:
         resumed = {None: "resume point unknown", "fresh": "fresh start"}.get(
             self.resumed_from, f"resumed from {self.resumed_from}")
-        world = f"{self.nodes} x {self.procs_per_node}"
+        low, _, high = self.nodes.partition(":")
+        world = f"{low if high in ('', low) else self.nodes} x {self.procs_per_node}"
         if self.world_size is not None:
             world += f" = {self.world_size} ranks"
         return (f"[launch] start {self.start}/{self.max_starts} | world {world} | {resumed} | "

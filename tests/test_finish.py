@@ -84,6 +84,20 @@ def test_maybe_save_cadence_agreed_across_ranks(tmp_path, cadence: str, mtbf_s: 
     assert saved == [expected, expected]
 
 
+def test_fixed_cadence_keeps_its_multiples_after_a_restart(tmp_path) -> None:
+    root = str(tmp_path)
+    config = CheckpointConfig(root=root, save_every=4)
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=root), state) as mgr:
+        step(state)
+        mgr.save(6)  # e.g. a final save of an earlier, shorter run
+    state = make_state()
+    with CheckpointManager(config, state) as mgr:
+        assert mgr.restore().next_update == 6
+        saved = [u for u in range(7, 13) if step(state) or mgr.maybe_save(u) is not None]
+    assert saved == [8, 12]
+
+
 def test_maybe_save_needs_an_interval(tmp_path) -> None:
     with CheckpointManager(CheckpointConfig(root=str(tmp_path)), make_state()) as mgr:
         with pytest.raises(ConfigError, match="save_every"):
