@@ -9,7 +9,6 @@ poison nothing when they time out.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 import uuid
@@ -19,7 +18,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+from . import logs
+
+log = logs.get(__name__)
 
 
 def current_rank_and_world() -> tuple[int, int]:

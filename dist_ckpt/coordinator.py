@@ -81,6 +81,7 @@ class SaveJob:
     committed: bool = False
     duration_s: float = 0.0
     manifest_raw: bytes | None = None
+    blocking_s: float = 0.0  # training time this save took on the calling thread
     store_keys: list[tuple[str, int]] = field(default_factory=list)  # (key set here, readers)
     written: bool = False
 

@@ -90,3 +90,13 @@ class InsufficientSpace(StorageError):
         self.shortfalls = dict(shortfalls)
         detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.shortfalls.items()))
         super().__init__(f"{message} ({detail})")
+
+
+class RankMismatch(DistCkptError):
+    """State that must be the same on every rank differs. ``differences`` maps rank -> the
+    keys that differ from rank 0's."""
+
+    def __init__(self, message: str, *, differences: dict[int, list[str]]):
+        self.differences = dict(differences)
+        detail = "; ".join(f"rank {r}: {', '.join(keys)}" for r, keys in sorted(self.differences.items()))
+        super().__init__(f"{message} ({detail})")

@@ -11,7 +11,6 @@ background for an asynchronous save and coordinates only through the c10d store.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import tempfile
 import threading
@@ -21,12 +20,12 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import codec, quarantine, retention, runinfo
+from . import agreement, codec, events, logs, quarantine, retention, runinfo
 from . import contract as contract_mod
 from .comm import Comm
 from .config import CheckpointConfig
 from .coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save, run_save_in_background
-from .done import DONE_NAME, DoneRecord, record_for, write_done
+from .done import DoneRecord
 from .errors import (
     CommitError,
     ConfigError,
@@ -35,9 +34,10 @@ from .errors import (
     UntrustedGenerations,
     ValidationError,
 )
+from .finish import finish_run
 from .inventory import GenerationInfo, inspect_generation, inventory
-from .manifest import MANIFEST_NAME, PENDING_PREFIX, Manifest, generation_name, parse_generation
-from .mirror import MirrorUploader, read_mirror_state
+from .manifest import LATEST_NAME, MANIFEST_NAME, PENDING_PREFIX, generation_name, read_latest_name
+from .mirror import MirrorUploader
 from .planning import SavePlanCache, layout_fingerprint
 from .publish import PublishInfo
 from .restore import RestoreResult, load_generation, select_generation
@@ -50,7 +50,7 @@ from .storage.objectstore import ObjectStoreBackend
 from .validate import list_pending
 from .version import __version__
 
-log = logging.getLogger(__name__)
+log = logs.get(__name__)
 PINS_KEY = "pins"
 
 
@@ -160,8 +160,9 @@ class CheckpointManager:
             if not all(f["boundary"] for f in agreed):
                 self.state.check_boundary()
                 raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
-            if agreed[0]["exists"]:
-                raise GenerationExists(f"{name} is already committed under {self.config.root}")
+            agreement.check_extras(agreed)
+            if agreed[0]["exists"] is not None:
+                raise GenerationExists(f"{name} {agreed[0]['exists']} under {self.config.root}")
             if not any(f["busy"] for f in agreed):
                 break
             if self.config.in_flight_policy == "skip":
@@ -174,8 +175,8 @@ class CheckpointManager:
         # once the in-flight bound allows the save: waiting or skipping comes first
         check_space(agreed, self.config.space_headroom_bytes, self.write_root)
         job = self._start(name, next_update, tokens_seen, live, fingerprint,
-                          all(f["cached"] for f in agreed), agreed[0]["nonce"])
-        self.stats.last_blocking_s = time.perf_counter() - started
+                          all(f["cached"] for f in agreed), agreed[0]["nonce"], started)
+        self.stats.last_blocking_s = job.blocking_s
         return job
 
     def maybe_save(self, next_update: int, *, tokens_seen: int | None = None) -> SaveJob | None:
@@ -201,55 +202,7 @@ class CheckpointManager:
         the tokens seen. Raises ``CommitError`` (per-rank map) when any step fails; no DONE
         is written then."""
         self._check_open()
-        self.wait()
-        name = generation_name(final_update)
-        committed = self.comm.broadcast(
-            self._is_committed(name) if self.comm.rank == 0 else None)
-        if not committed:
-            self.save(final_update, tokens_seen=tokens_seen)
-        self.wait()
-        outcome: tuple[DoneRecord | None, str | None] = (None, None)
-        if self.comm.rank == 0:
-            outcome = self._done_record(name)
-        record, problem = self.comm.broadcast(outcome)
-        if record is None:
-            raise CommitError(f"{name} is not final: {problem}", generation=name,
-                              failures={0: str(problem)})
-        writes_done = self.comm.rank == (0 if self.remote is not None else self.comm.fs_leader)
-        failure = None
-        if writes_done:
-            try:
-                write_done(self.backend, record)
-            except Exception as exc:  # noqa: BLE001 - every rank raises it after the all-gather
-                failure = f"cannot write {DONE_NAME}: {type(exc).__name__}: {exc}"
-        failures = {r: f for r, f in enumerate(self.comm.all_gather(failure)) if f is not None}
-        if failures:
-            raise CommitError(f"{DONE_NAME} for {name} not written", generation=name,
-                              failures=failures)
-        runinfo.report(self.comm.rank, done=name)
-        return record
-
-    def _is_committed(self, name: str) -> bool:
-        if not self.backend.exists(f"{name}/{MANIFEST_NAME}"):
-            return False
-        return inspect_generation(self.backend, name, digests=False,
-                                  key=self.config.signing_key).state == "committed"
-
-    def _done_record(self, name: str) -> tuple[DoneRecord | None, str | None]:
-        """Rank 0: the DONE record of committed generation ``name``, or why there is none."""
-        if self.uploader is not None:
-            if not self.uploader.drain(self.config.close_timeout_s):
-                return None, f"mirror uploads still pending after {self.config.close_timeout_s} s"
-            completed = read_mirror_state(self.write_root).get("last_completed_update")
-            if completed is None or completed < parse_generation(name):
-                return None, "the mirror did not complete it (see mirror.json)"
-        try:
-            raw = self.backend.read_bytes(f"{name}/{MANIFEST_NAME}")
-            manifest = Manifest.from_bytes(raw, generation=name)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
-            return None, f"{type(exc).__name__}: {exc}"
-        return record_for(manifest, raw, run_id=os.environ.get(runinfo.RUN_ID_ENV),
-                          version=__version__), None
+        return finish_run(self, final_update, tokens_seen)
 
     def _agree(self, name: str, fingerprint: str) -> list[dict]:
         """One all-gather (all ranks): what each rank knows before a save may start."""
@@ -260,11 +213,24 @@ class CheckpointManager:
             "boundary": self.state.at_optimizer_boundary(),
             "cached": fingerprint == self.plans.fingerprint,
             "space": self._space_facts(fingerprint),
+            "extras": agreement.extras_digests(self.state.extras),
         }
         if self.comm.rank == 0:
-            facts["exists"] = self.backend.exists(f"{name}/{MANIFEST_NAME}")
+            facts["exists"] = self._existing(name)
             facts["nonce"] = f"{PENDING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         return self.comm.all_gather(facts)
+
+    def _existing(self, name: str) -> str | None:
+        """Rank 0: None when ``name`` can be saved, else why not (committed, or present but
+        invalid: a generation restore did not see or could not move aside)."""
+        if not self.backend.exists(f"{name}/{MANIFEST_NAME}"):
+            return None
+        info = inspect_generation(self.backend, name, digests=False, key=self.config.signing_key)
+        if info.state == "committed":
+            return "is already committed"
+        return (f"is present but invalid ({info.reason}); move it aside with "
+                f"`dist-ckpt quarantine {self.config.root} {name}` (restore() does this for "
+                f"generations newer than the one it loads)")
 
     def _space_facts(self, fingerprint: str) -> dict | None:
         # the first save of a layout has no plan yet: it is not checked (an ENOSPC during
@@ -283,7 +249,7 @@ class CheckpointManager:
         return {"leader": self.comm.fs_leader, "bytes": per_save * (1 + unwritten), "free": free}
 
     def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
-               fingerprint: str, all_cached: bool, nonce: str) -> SaveJob:
+               fingerprint: str, all_cached: bool, nonce: str, started: float) -> SaveJob:
         state = self.state
         state.next_update = next_update
         if tokens_seen is not None:
@@ -314,6 +280,8 @@ class CheckpointManager:
                 self.staging.release(slot)  # type: ignore[union-attr]
             if not finished.committed:
                 return
+            if is_root:
+                events.log_commit(finished, self.config.root, asynchronous=self.config.async_save)
             if self.uploader is not None:
                 self.uploader.local_committed(name)
             if is_root and self.uploader is not None and finished.manifest_raw is not None:
@@ -323,6 +291,7 @@ class CheckpointManager:
                 self._janitor.submit(self._prune_local)
 
         job = SaveJob(request, on_done=on_done)
+        job.blocking_s = time.perf_counter() - started  # set before the background thread starts
         self.stats.started += 1
         args = (job, self.comm, self.config.io_threads, self.config.commit_timeout_s)
         if self.config.async_save:
@@ -333,6 +302,7 @@ class CheckpointManager:
             job.thread.start()
         else:
             run_save(*args)
+            job.blocking_s = time.perf_counter() - started
             self._jobs.append(job)
             self._reap()
             self._raise_unraised()
@@ -433,8 +403,6 @@ class CheckpointManager:
         tiers = [self.backend] + ([self.mirror] if self.mirror is not None else [])
         name, manifest, backend, rejected = select_generation(self.comm, tiers, digests=verify_digests,
                                                               key=self.config.signing_key)
-        for problem in rejected:
-            log.warning("rejected generation %s", problem)
         if name is None and rejected and all(p.signature for p in rejected) \
                 and self.config.key_rejects_all_raises:
             raise UntrustedGenerations(
@@ -442,10 +410,14 @@ class CheckpointManager:
                 f"({len(rejected)}; first: {rejected[0]}); a fresh start would discard them")
         if self.config.is_local:
             quarantine.move_blocking(self.comm, self.config.root, rejected, name)
+        notes = self.comm.broadcast(self._pointer_warnings() if self.comm.rank == 0 else None)
         if name is None or manifest is None:
             runinfo.report(self.comm.rank, resumed_from=None, next_update=0,
                            rejected=[str(p) for p in rejected])
-            return RestoreResult(rejected=rejected)
+            result = RestoreResult(rejected=rejected, warnings=notes)
+            if self.comm.rank == 0:
+                events.log_restore(result, None)
+            return result
         allow = self.config.allow_contract_change if allow_contract_change is None \
             else allow_contract_change
         result = load_generation(
@@ -454,11 +426,22 @@ class CheckpointManager:
             allow_contract_change=allow, strict_torch_version=self.config.strict_torch_version,
             scratch_parent=self.config.cache_dir)
         result.rejected = rejected
+        result.warnings = notes + result.warnings
+        if self.comm.rank == 0:
+            events.log_restore(result, backend.root if backend is not None else None)
         runinfo.report(self.comm.rank, resumed_from=name, next_update=result.next_update,
                        rejected=[str(p) for p in rejected])
         if self.schedule is not None:
             self.schedule.last_saved = result.next_update
         return result
+
+    def _pointer_warnings(self) -> list[str]:
+        """Rank 0: a latest pointer naming a generation that is not there is worth a warning
+        (restore never trusts the pointer, but a person reading the root does)."""
+        pointed = read_latest_name(self.backend)
+        if pointed is None or self.backend.exists(f"{pointed}/{MANIFEST_NAME}"):
+            return []
+        return [f"{LATEST_NAME} points at {pointed}, which is missing under {self.config.root}"]
 
     def pin(self, generation: str, label: str | None = "pinned") -> dict[str, str]:
         """Pin a committed generation so that no pruning deletes it (``label=None`` unpins).

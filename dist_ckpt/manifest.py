@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
@@ -160,3 +160,12 @@ class LatestPointer(BaseModel):
         return cls(generation=manifest.generation, manifest_sha256=hashlib.sha256(raw).hexdigest(),
                    manifest_size=len(raw), format_version=manifest.format_version,
                    next_update=manifest.next_update)
+
+
+def read_latest_name(backend: Any) -> str | None:
+    """The generation ``latest.json`` under ``backend`` names; None when absent or unreadable
+    (the pointer is a hint: nothing trusts it over validation)."""
+    try:
+        return LatestPointer.model_validate_json(backend.read_bytes(LATEST_NAME)).generation
+    except Exception:  # noqa: BLE001 - missing, unreadable or corrupt: no hint
+        return None

@@ -20,7 +20,6 @@ leader of a node without rank 0 never prunes a generation the mirror still needs
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 import time
@@ -28,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import logs
 from .comm import Comm
 from .coordinator import lower_thread_priority
 from .errors import DistCkptError
@@ -37,7 +37,7 @@ from .retention import prune_object_store, read_pins
 from .storage.local import LocalBackend, atomic_write
 from .storage.objectstore import ObjectStoreBackend
 
-log = logging.getLogger(__name__)
+log = logs.get(__name__)
 MIRROR_STATE = "mirror.json"
 _STOP = "__stop__"
 PINNED_KEY = "mirror/pinned"

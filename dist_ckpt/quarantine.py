@@ -12,17 +12,17 @@ each filesystem group moves its own copies; the caller then synchronises all ran
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import uuid
 
+from . import logs
 from .comm import Comm
 from .manifest import parse_generation
 from .storage.local import fsync_dir, write_durable
 from .validate import Problem
 
-log = logging.getLogger(__name__)
+log = logs.get(__name__)
 REJECTED_DIR = "rejected"
 REASON_NAME = "reason.txt"
 

@@ -15,10 +15,10 @@ file, so later calls add to earlier ones.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any
 
+from . import logs
 from .errors import (
     ConfigError,
     ContractMismatch,
@@ -27,7 +27,7 @@ from .errors import (
     UntrustedGenerations,
 )
 
-log = logging.getLogger(__name__)
+log = logs.get(__name__)
 
 LAUNCH_DIR_ENV = "DIST_CKPT_LAUNCH_DIR"
 RUN_ID_ENV = "DIST_CKPT_RUN_ID"

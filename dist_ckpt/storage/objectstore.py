@@ -10,15 +10,15 @@ latest pointer is replaced. Credentials and endpoint come from the usual AWS var
 from __future__ import annotations
 
 import hashlib
-import logging
 from typing import Any
 
 import fsspec
 from torch.distributed.checkpoint import StorageReader
 
+from .. import logs
 from ..errors import GenerationExists, StorageError
 
-log = logging.getLogger(__name__)
+log = logs.get(__name__)
 READ_CHUNK = 8 << 20
 
 
