@@ -8,6 +8,7 @@ save, so that the next phase (any world size) can check what it loaded bitwise.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 
@@ -42,6 +43,9 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # dist_ckpt logs one line per commit and per restore on rank 0
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("dist_ckpt").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     torch.manual_seed(0)
     # every random source seeded: ranks that did not exist at save time derive their streams
     # from rank 0's saved Python state, so an unseeded `random` makes resharded runs differ
@@ -63,13 +67,16 @@ def main() -> None:
         result = mgr.restore()
         loaded = gathered(model, optimizer)
         if rank == 0:
+            print(f"[world {world}] checkpoints under {config.root}")
             print(f"[world {world}] resumed from {result.generation or 'nothing (fresh start)'} at "
                   f"update {result.next_update}; rejected: {[str(p) for p in result.rejected]}")
             if result.generation is not None:
                 reference = torch.load(reference_path, weights_only=True)
                 same = reference.keys() == loaded.keys() and all(
                     torch.equal(reference[k], loaded[k]) for k in reference)
-                print(f"[world {world}] loaded tensors equal the saved ones: {same}")
+                print(f"[world {world}] all {len(reference)} gathered model and optimizer tensors "
+                      f"equal, bitwise, the copies phase 1 took right after saving "
+                      f"{result.generation}: {same}")
                 if not same:
                     raise SystemExit("loaded tensors differ from the saved ones")
         for update in range(result.next_update, args.until):
