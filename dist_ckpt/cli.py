@@ -1,68 +1,54 @@
-"""``dist-ckpt`` command line: list, inspect, verify, pin and prune the generations under a root,
-and plan the checkpoint cadence (``plan``).
+"""``dist-ckpt`` command line: the generations under a checkpoint root, and its cadence.
 
-Exit codes: 0 success; 1 a generation is invalid (or its manifest unreadable); 2 usage errors
-(missing root, unsafe or unknown generation name, unsupported storage URL).
+List, inspect, verify, pin, prune, quarantine (move aside) and remove (invalid only) the
+generations under a root; plan the checkpoint cadence (``plan``).
+
+Exit codes: 0 success; 1 a generation is invalid (or its manifest unreadable) or the request
+was refused (a valid generation to ``rm``, a pinned one to ``quarantine``, ...); 2 usage errors
+(missing root, unsafe or unknown generation name, unsupported storage URL, a missing flag).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import os
 import sys
-from datetime import UTC, datetime
 from typing import Any
 
-from .cli_common import PROG, UsageError, human_bytes, open_root
+from .cli_common import (
+    PROG,
+    QUARANTINED_ENTRY,
+    Refused,
+    UsageError,
+    error,
+    human_bytes,
+    latest_warnings,
+    open_root,
+    print_table,
+    read_latest,
+    sorted_inventory,
+    update_number,
+    warn,
+)
+from .cli_inspect import cmd_inspect, cmd_verify
+from .cli_ops import cmd_pin, cmd_quarantine, cmd_rm
 from .cli_plan import add_plan_parser
-from .errors import DistCkptError, StorageError, UnsafeNameError, ValidationError
+from .errors import DistCkptError, StorageError, ValidationError
 from .inventory import GenerationInfo, inventory
-from .manifest import LATEST_NAME, PENDING_PREFIX, LatestPointer, Manifest, check_generation_name
+from .manifest import (
+    LATEST_NAME,
+    parse_generation,
+)
 from .mirror import read_mirror_state
-from .retention import prune, prune_object_store, read_pins, set_pin
-from .signing import KEY_ENV, key_from_env
-from .storage.base import Backend, is_remote, open_backend
+from .quarantine import REASON_NAME, REJECTED_DIR
+from .retention import prune, prune_object_store, read_pins
+from .signing import key_from_env
+from .storage.base import is_remote, open_backend
 from .storage.objectstore import ObjectStoreBackend
-from .validate import list_generations, read_manifest, validate
+from .version import __version__
 
-_PENDING_RE = re.compile(rf"^{re.escape(PENDING_PREFIX)}gen-(\d{{12}})(?:-|$)")
-
-
-def checked_generation(backend: Backend, name: str) -> str:
-    """Reject unsafe or malformed names and generations that do not exist (exit 2)."""
-    try:
-        check_generation_name(name)
-    except UnsafeNameError as exc:
-        raise UsageError(str(exc)) from exc
-    if not backend.exists(name):
-        raise UsageError(f"no generation {name!r} under {backend.root}")
-    return name
-
-
-def read_latest(backend: Backend) -> str | None:
-    """The generation ``latest.json`` names, or None when absent or unreadable."""
-    try:
-        raw = backend.read_bytes(LATEST_NAME)
-        return LatestPointer.model_validate_json(raw).generation
-    except (OSError, ValueError, DistCkptError):
-        return None
-
-
-def update_number(info: GenerationInfo) -> int | None:
-    if info.next_update is not None:
-        return info.next_update
-    match = _PENDING_RE.match(info.name)
-    return int(match.group(1)) if match else None
-
-
-def sorted_inventory(backend: Backend) -> list[GenerationInfo]:
-    """All generations and pending directories, newest update number first."""
-    def key(info: GenerationInfo) -> int:
-        number = update_number(info)
-        return -1 if number is None else number
-
-    return sorted(inventory(backend, digests=False, key=key_from_env()), key=key, reverse=True)
+FOOTNOTE = "ls checks sizes; `dist-ckpt verify` checks digests"
 
 
 def ls_record(info: GenerationInfo, latest: str | None, pins: dict[str, str]) -> dict[str, Any]:
@@ -71,11 +57,35 @@ def ls_record(info: GenerationInfo, latest: str | None, pins: dict[str, str]) ->
             "pin": pins.get(info.name), "reason": info.reason, "path": info.path}
 
 
-def print_table(rows: list[list[str]]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)] + [row[-1]]
-        print("  ".join(cells).rstrip())
+def quarantined_records(root: str) -> list[dict[str, Any]]:
+    """Entries under ``ROOT/rejected/`` (local roots only), newest update number first."""
+    rejected = os.path.join(root, REJECTED_DIR)
+    if is_remote(root) or not os.path.isdir(rejected):
+        return []
+    records = []
+    for entry in sorted(os.listdir(rejected), reverse=True):  # same generation: newest move first
+        match = QUARANTINED_ENTRY.match(entry)
+        if match is None or not os.path.isdir(os.path.join(rejected, entry)):
+            continue
+        records.append({"name": entry, "generation": match.group(1),
+                        "next_update": parse_generation(match.group(1)), "state": "quarantined",
+                        "total_bytes": tree_bytes(os.path.join(rejected, entry)), "latest": False,
+                        "pin": None, "reason": first_reason_line(os.path.join(rejected, entry)),
+                        "path": f"{REJECTED_DIR}/{entry}"})
+    return sorted(records, key=lambda rec: rec["next_update"], reverse=True)
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, name))
+               for folder, _, names in os.walk(path) for name in names)
+
+
+def first_reason_line(entry_path: str) -> str:
+    try:
+        with open(os.path.join(entry_path, REASON_NAME), encoding="utf-8", errors="replace") as handle:
+            return handle.readline(1000).strip() or "(empty reason)"
+    except OSError:
+        return f"(no {REASON_NAME})"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -83,24 +93,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     latest = read_latest(backend)
     pins = read_pins(backend)
     records = [ls_record(info, latest, pins) for info in sorted_inventory(backend)]
+    quarantined = quarantined_records(args.root)
     mirror = mirror_status(args.root, records)
+    warnings = latest_warnings(backend, latest)
     if args.json:
         print(json.dumps({"root": backend.root, "latest": latest, "generations": records,
-                          "mirror": mirror}, indent=1))
+                          "quarantined": quarantined, "mirror": mirror, "warnings": warnings}, indent=1))
         return 0
-    if not records:
+    for message in warnings:
+        warn(message)
+    if not records and not quarantined:
         print(f"no generations under {backend.root}")
         return 0
-    rows = [["", "GENERATION", "UPDATE", "BYTES", "SIZE", "STATE"]
-            + (["PIN"] if pins else []) + (["MIRROR"] if mirror else []) + ["REASON"]]
-    for rec in records:
-        update = "-" if rec["next_update"] is None else str(rec["next_update"])
-        size = "-" if rec["total_bytes"] is None else str(rec["total_bytes"])
-        rows.append(["*" if rec["latest"] else "", rec["name"], update, size,
-                     human_bytes(rec["total_bytes"]), rec["state"]]
-                    + ([rec["pin"] or ""] if pins else [])
-                    + ([rec.get("mirror", "")] if mirror else []) + [rec["reason"] or ""])
-    print_table(rows)
+    print_ls_table(records, quarantined, pins, mirror)
     if mirror:
         print(f"mirror {mirror['url']}: last completed remote generation "
               f"{mirror['last_completed'] or '(none)'}")
@@ -108,7 +113,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"* = {LATEST_NAME} -> {latest}")
     else:
         print(f"({LATEST_NAME} is missing or unreadable)")
+    print(FOOTNOTE)
     return 0
+
+
+def print_ls_table(records: list[dict], quarantined: list[dict], pins: dict[str, str],
+                   mirror: dict | None) -> None:
+    rows = [["", "GENERATION", "UPDATE", "BYTES", "SIZE", "STATE"]
+            + (["PIN"] if pins else []) + (["MIRROR"] if mirror else []) + ["REASON"]]
+    for rec in records + quarantined:
+        update = "-" if rec["next_update"] is None else str(rec["next_update"])
+        size = "-" if rec["total_bytes"] is None else str(rec["total_bytes"])
+        # a quarantined row is named by its path: what `dist-ckpt rm` takes to delete it
+        name = rec["path"] if rec["state"] == "quarantined" else rec["name"]
+        rows.append(["*" if rec["latest"] else "", name, update, size,
+                     human_bytes(rec["total_bytes"]), rec["state"]]
+                    + ([rec["pin"] or ""] if pins else [])
+                    + ([rec.get("mirror", "")] if mirror else []) + [rec["reason"] or ""])
+    print_table(rows)
 
 
 def mirror_status(root: str, records: list[dict]) -> dict | None:
@@ -133,86 +155,6 @@ def mirror_status(root: str, records: list[dict]) -> dict | None:
             "skipped": sorted(skipped), "remote_committed": sorted(remote_committed)}
 
 
-def default_committed(backend: Backend) -> str:
-    for info in inventory(backend, digests=False):
-        if info.state == "committed":
-            return info.name
-    raise UsageError(f"no committed generation under {backend.root}")
-
-
-def default_any(backend: Backend) -> str:
-    names = list_generations(backend)
-    if not names:
-        raise UsageError(f"no generation under {backend.root}")
-    return names[0]
-
-
-def manifest_summary(manifest: Manifest, latest: str | None) -> list[tuple[str, str]]:
-    created = datetime.fromtimestamp(manifest.created_unix, tz=UTC).isoformat()
-    contract = ", ".join(f"{k}={v}" for k, v in sorted(manifest.contract.items())) or "(empty)"
-    mark = " (latest)" if manifest.generation == latest else ""
-    return [
-        ("generation", manifest.generation + mark),
-        ("kind", manifest.kind),
-        ("next_update", str(manifest.next_update)),
-        ("tokens_seen", str(manifest.tokens_seen)),
-        ("world_size", str(manifest.world_size)),
-        ("torch_version", manifest.torch_version),
-        ("dist_ckpt_version", manifest.dist_ckpt_version),
-        ("components", ", ".join(manifest.components) or "(none)"),
-        ("contract", contract),
-        ("contract_digest", manifest.contract_digest),
-        ("files", str(len(manifest.files))),
-        ("total_bytes", f"{manifest.total_bytes} ({human_bytes(manifest.total_bytes)})"),
-        ("save_duration_s", f"{manifest.save_duration_s:.3f}"),
-        ("created", created),
-    ]
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    backend = open_root(args.root)
-    name = default_committed(backend) if args.generation is None else \
-        checked_generation(backend, args.generation)
-    manifest = read_manifest(backend, name, key=key_from_env())  # ValidationError -> exit 1
-    if args.json:
-        print(manifest.model_dump_json(indent=1))
-        return 0
-    for key, value in manifest_summary(manifest, read_latest(backend)):
-        print(f"{key:<18} {value}")
-    return 0
-
-
-def verify_result(backend: Backend, name: str) -> dict[str, Any]:
-    key = key_from_env()
-    try:
-        manifest = validate(backend, name, digests=True, key=key)
-    except ValidationError as exc:
-        return {"generation": name, "ok": False, "reason": str(exc), "path": exc.path}
-    except OSError as exc:
-        return {"generation": name, "ok": False, "reason": f"unreadable: {exc}",
-                "path": getattr(exc, "filename", None)}
-    reason = f"{len(manifest.files)} files, {manifest.total_bytes} bytes, sha256 verified"
-    if key is not None:
-        reason += f", signature verified (key from {KEY_ENV})"
-    return {"generation": name, "ok": True, "reason": reason, "path": None}
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    backend = open_root(args.root)
-    name = default_any(backend) if args.generation is None else \
-        checked_generation(backend, args.generation)
-    result = verify_result(backend, name)
-    if args.json:
-        print(json.dumps(result))
-    elif result["ok"]:
-        print(f"{name}: OK ({result['reason']})")
-    else:
-        print(f"{name}: INVALID: {result['reason']}")
-        if result["path"]:
-            print(f"  offending file: {result['path']}")
-    return 0 if result["ok"] else 1
-
-
 def cmd_prune(args: argparse.Namespace) -> int:
     for flag, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
         if value is not None and value < 1:
@@ -225,7 +167,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
                    "orphans": plan.orphans, "multipart_aborted": plan.multipart_aborted}
     else:
         if args.keep_last is None:
-            raise UsageError("--keep-last is required for a local root")
+            raise UsageError("a local root needs --keep-last K, e.g. --keep-last 3: the newest K "
+                             "committed generations stay (pinned ones and --keep-every milestones too)")
         committed = [i.name for i in inventory(backend, digests=False, key=key_from_env())
                      if i.state == "committed"]
         removed = {"generations": prune(backend, committed, keep_last=args.keep_last,
@@ -243,38 +186,62 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_pin(args: argparse.Namespace) -> int:
-    backend = open_root(args.root)
-    if args.command == "unpin":  # a pruned-by-hand generation can still be unpinned
-        try:
-            check_generation_name(args.generation)
-        except UnsafeNameError as exc:
-            raise UsageError(str(exc)) from exc
-        name = args.generation
-    else:
-        name = checked_generation(backend, args.generation)
-    pins = set_pin(backend, name, None if args.command == "unpin" else args.label)
-    if args.json:
-        print(json.dumps({"pins": pins}))
-    else:
-        print(f"{'unpinned' if args.command == 'unpin' else 'pinned'} {name}; "
-              f"{len(pins)} pinned generation(s) under {backend.root}")
-    return 0
+LS_EPILOG = f"""\
+states: committed (structure and sizes check out), invalid, pending (a save in flight or
+abandoned), quarantined (moved aside to ROOT/{REJECTED_DIR}/ by restore or `dist-ckpt quarantine`;
+local roots only; named by that path, the reason is the first line of its {REASON_NAME}).
+{FOOTNOTE}.
+
+--json prints {{"root", "latest", "generations", "quarantined", "mirror", "warnings"}}:
+quarantined entries are listed apart from the generations, each with name (its directory
+under {REJECTED_DIR}/), generation, next_update, state "quarantined", total_bytes, reason and path;
+warnings names problems that do not change the exit status, such as a {LATEST_NAME} that
+points to a missing generation (text output: on stderr).
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    ls = sub.add_parser("ls", help="list generations under ROOT")
+    commands = [*add_reading_parsers(sub), *add_changing_parsers(sub)]
+    plan = add_plan_parser(sub)
+    add_root(plan)
+    for cmd in [*commands, plan]:
+        cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def add_root(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("root", metavar="ROOT", help="checkpoint root (path or s3:// URL)")
+
+
+def add_reading_parsers(sub: Any) -> list[argparse.ArgumentParser]:
+    ls = sub.add_parser("ls", help="list generations under ROOT", epilog=LS_EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ls.set_defaults(func=cmd_ls)
-    inspect = sub.add_parser("inspect", help="summarise a generation's manifest")
+    inspect = sub.add_parser(
+        "inspect", help="summarise a generation: manifest, data position, extras, pin, tier",
+        description="--json prints the manifest plus latest, data_position, extras_keys, pin, "
+                    "tier, state_error and warnings")
     inspect.set_defaults(func=cmd_inspect)
     verify = sub.add_parser("verify", help="fully validate a generation (sizes and sha256)")
     verify.set_defaults(func=cmd_verify)
+    verify.add_argument("--all", action="store_true",
+                        help="check every generation; exit 0 only if all are valid")
+    for cmd in (ls, inspect, verify):
+        add_root(cmd)
+    for cmd in (inspect, verify):
+        cmd.add_argument("generation", metavar="GEN", nargs="?",
+                         help="generation name (default: the newest committed one, else the newest)")
+    return [ls, inspect, verify]
+
+
+def add_changing_parsers(sub: Any) -> list[argparse.ArgumentParser]:
     prune_cmd = sub.add_parser("prune", help="delete old generations and leftovers of failed uploads")
     prune_cmd.set_defaults(func=cmd_prune)
     prune_cmd.add_argument("--keep-last", type=int, default=None, metavar="K",
-                           help="keep the newest K committed generations")
+                           help="keep the newest K committed generations (required for a local root)")
     prune_cmd.add_argument("--keep-every", type=int, default=None, metavar="N",
                            help="also keep milestones: update numbers that are multiples of N")
     prune_cmd.add_argument("--dry-run", action="store_true", help="only print what would go")
@@ -283,22 +250,29 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--label", default="pinned", help="why it is kept (best, final, ...)")
     unpin = sub.add_parser("unpin", help="let pruning delete a generation again")
     unpin.set_defaults(func=cmd_pin)
-    plan = add_plan_parser(sub)
-    for cmd in (ls, inspect, verify, prune_cmd, pin, unpin, plan):
-        cmd.add_argument("root", metavar="ROOT", help="checkpoint root (path or s3:// URL)")
-    for cmd in (pin, unpin):
+    quarantine_cmd = sub.add_parser(
+        "quarantine", help=f"move a generation aside to ROOT/{REJECTED_DIR}/ (local roots)",
+        description="Refuses a pinned generation and the valid one latest.json points to, unless "
+                    "--force (a pinned one is then unpinned).")
+    quarantine_cmd.set_defaults(func=cmd_quarantine)
+    quarantine_cmd.add_argument("--reason", default=None, metavar="TEXT", help=f"written to {REASON_NAME}")
+    quarantine_cmd.add_argument("--force", action="store_true", help="move a pinned or the latest one too")
+    rm = sub.add_parser(
+        "rm", help="delete a generation or quarantined entry that fails validation (local roots)",
+        description="Deletes only what fails the full check (sizes and sha256; signatures are not "
+                    "checked: another key's generation is not damaged). A valid one exits 1.")
+    rm.set_defaults(func=cmd_rm)
+    rm.add_argument("--invalid-only", action="store_true",
+                    help="required: the promise that nothing valid is deleted")
+    for cmd in (prune_cmd, pin, unpin, quarantine_cmd, rm):
+        add_root(cmd)
+    for cmd in (pin, unpin, quarantine_cmd):
         cmd.add_argument("generation", metavar="GEN", help="generation name")
-    inspect.add_argument("generation", metavar="GEN", nargs="?",
-                         help="generation name (default: newest committed)")
-    verify.add_argument("generation", metavar="GEN", nargs="?",
-                        help="generation name (default: newest, any state)")
-    for cmd in (ls, inspect, verify, prune_cmd, pin, unpin, plan):
-        cmd.add_argument("--json", action="store_true", help="machine-readable output")
-    return parser
+    rm.add_argument("name", metavar="NAME",
+                    help=f"generation name, or a quarantined entry ({REJECTED_DIR}/ENTRY or ENTRY)")
+    return [prune_cmd, pin, unpin, quarantine_cmd, rm]
 
 
-def error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,13 +283,16 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
         parser.print_usage(sys.stderr)
-        error("a command is required (ls, inspect, verify, prune, pin, unpin, plan)")
+        error("a command is required (ls, inspect, verify, prune, pin, unpin, quarantine, rm, plan)")
         return 2
     try:
         return int(args.func(args))
     except UsageError as exc:
         error(str(exc))
         return 2
+    except Refused as exc:
+        error(str(exc))
+        return 1
     except ValidationError as exc:
         error(str(exc) + (f" (file {exc.path})" if exc.path else ""))
         return 1

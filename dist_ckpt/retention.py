@@ -9,9 +9,9 @@ live in ``ROOT/pins.json`` (name -> label, written by ``dist-ckpt pin`` or
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 
+from . import logs
 from .errors import StorageError, ValidationError
 from .manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
 from .signing import SIGNATURE_NAME
@@ -19,7 +19,7 @@ from .storage.base import Backend
 from .storage.objectstore import ObjectStoreBackend
 from .validate import list_generations, read_manifest
 
-log = logging.getLogger(__name__)
+log = logs.get(__name__)
 
 
 PINS_NAME = "pins.json"
@@ -49,10 +49,22 @@ def read_pins(backend: Backend) -> dict[str, str]:
         raise StorageError(f"{backend.url(PINS_NAME)} is corrupt: {exc}") from exc
 
 
-def set_pin(backend: Backend, generation: str, label: str | None) -> dict[str, str]:
-    """Pin (``label`` given) or unpin (None) ``generation``; returns the new pins."""
+@dataclass(frozen=True)
+class PinChange:
+    """The pins after a change and the label ``generation`` had before (None: not pinned),
+    so that a caller can tell a new pin, a relabel, an unpin and a no-op apart."""
+
+    pins: dict[str, str]
+    previous: str | None
+
+
+def change_pin(backend: Backend, generation: str, label: str | None) -> PinChange:
+    """Pin (``label`` given) or unpin (None) ``generation``; ``pins.json`` is rewritten only
+    when something changes. Pinning needs a committed generation; unpinning does not (a
+    generation deleted by hand can still be unpinned)."""
     check_generation_name(generation)
     pins = read_pins(backend)
+    previous = pins.get(generation)
     if label is None:
         pins.pop(generation, None)
     else:
@@ -60,8 +72,14 @@ def set_pin(backend: Backend, generation: str, label: str | None) -> dict[str, s
             raise ValidationError(f"{generation} is not a committed generation under {backend.root}",
                                   generation=generation)
         pins[generation] = label
-    write_pins(backend, pins)
-    return pins
+    if pins.get(generation) != previous:
+        write_pins(backend, pins)
+    return PinChange(pins, previous)
+
+
+def set_pin(backend: Backend, generation: str, label: str | None) -> dict[str, str]:
+    """Pin (``label`` given) or unpin (None) ``generation``; returns the new pins."""
+    return change_pin(backend, generation, label).pins
 
 
 def write_pins(backend: Backend, pins: dict[str, str]) -> None:

@@ -25,8 +25,7 @@ def _failures(exc: ChildFailedError) -> dict[str, dict[str, Any]]:
     for rank, failure in exc.failures.items():
         message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
         out[str(rank)] = {"exitcode": failure.exitcode, "signal": failure.signal_name(),
-                          "local_rank": failure.local_rank, "message": message[-MESSAGE_LIMIT:],
-                          "timestamp": failure.timestamp}
+                          "local_rank": failure.local_rank, "message": message[-MESSAGE_LIMIT:]}
     return out
 
 

@@ -21,6 +21,7 @@ from dist_ckpt.done import check_done
 from dist_ckpt.storage.base import open_backend
 
 DONE, FINISHED, STOPPED, PERMANENT, TRANSIENT = "done", "finished", "stopped", "permanent", "transient"
+STOPPED_EXIT = 128 + 15  # a worker that exits on the agent's SIGTERM
 ENDS_THE_LOOP = frozenset({DONE, FINISHED, STOPPED, PERMANENT})
 
 
@@ -58,20 +59,20 @@ def failure_summary(result: dict[str, Any] | None, agent_rc: int | None) -> str:
         return f"torchrun failed: {result['error'].splitlines()[0][:300]}"
     if result.get("signal"):
         return f"torchrun stopped by {result['signal']}"
-    parts = []
-    # the first failure is the cause; the agent stops the other workers after it
-    ordered = sorted(result.get("failures", {}).items(),
-                     key=lambda kv: (kv[1].get("timestamp") or 0, int(kv[0])))
-    for rank, failure in ordered:
+    parts, stopped = [], []
+    for rank, failure in sorted(result.get("failures", {}).items(), key=lambda kv: int(kv[0])):
         code = failure.get("exitcode")
         signal = failure.get("signal")
-        if code is not None and code < 0 and signal and not signal.startswith("<"):
+        if signal == "SIGTERM" or code == STOPPED_EXIT:
+            # the agent SIGTERMs the survivors of a failure: a consequence, listed last
+            stopped.append(f"rank {rank} stopped by torchrun")
+        elif code is not None and code < 0 and signal and not signal.startswith("<"):
             parts.append(f"rank {rank} killed by {signal}")
         else:
-            last = (failure.get("message") or "").strip().splitlines()
+            last = [line for line in (failure.get("message") or "").strip().splitlines()
+                    if "To enable traceback" not in line]  # torchrun's filler without an error file
             parts.append(f"rank {rank} exited {code}" + (f" ({last[-1][:160]})" if last else ""))
-    if len(parts) > 1:
-        parts[0] += " first"
+    parts += stopped
     return "; ".join(parts) or "failed without a reported reason"
 
 

@@ -124,8 +124,11 @@ def test_verify_detects_bit_flip(root: Path, capsys: pytest.CaptureFixture[str])
 def test_verify_detects_truncation(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = root / GEN20 / DCP_FILE
     path.write_bytes(path.read_bytes()[:-10])
-    code, out, _ = run(capsys, "verify", str(root))
+    code, out, _ = run(capsys, "verify", str(root), GEN20)
     assert code == 1 and DCP_FILE in out and "bytes" in out
+    # the default is inspect's: the newest committed one, with a note naming what it skipped
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == 0 and GEN10 in out and GEN20 in err
     code, out, _ = run(capsys, "ls", str(root), "--json")
     states = {g["name"]: g["state"] for g in json.loads(out)["generations"]}
     assert states == {GEN20: "invalid", GEN10: "committed"}
@@ -133,10 +136,10 @@ def test_verify_detects_truncation(root: Path, capsys: pytest.CaptureFixture[str
 
 def test_corrupt_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / GEN20 / "manifest.json").write_bytes(b"\x00garbage{{")
-    code, out, err = run(capsys, "verify", str(root), "--json")
+    code, out, err = run(capsys, "verify", str(root), GEN20, "--json")
     result = json.loads(out)
     assert code == 1 and result["ok"] is False and result["path"] == "manifest.json"
-    code, out, err = run(capsys, "verify", str(root))
+    code, out, err = run(capsys, "verify", str(root), GEN20)
     assert code == 1 and "corrupt" in out and "Traceback" not in out + err
 
     code, out, _ = run(capsys, "ls", str(root))

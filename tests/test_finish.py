@@ -15,6 +15,7 @@ from dist_ckpt import (
     ContractMismatch,
     UntrustedGenerations,
 )
+from dist_ckpt.cli import main as cli
 from dist_ckpt.contract import digest
 from dist_ckpt.done import check_done
 from dist_ckpt.runinfo import LAUNCH_DIR_ENV, read_reports
@@ -142,7 +143,7 @@ def test_permanent_errors_are_reported_to_the_launcher(tmp_path, monkeypatch) ->
     assert failure["permanent"] and failure["error"] == "ContractMismatch"
 
 
-def test_a_rejected_newer_generation_is_moved_aside_and_saved_again(tmp_path) -> None:
+def test_a_rejected_newer_generation_is_moved_aside_and_saved_again(tmp_path, capsys) -> None:
     root = str(tmp_path)
     two_generations(root)
     shard = tmp_path / "gen-000000000002" / "dcp" / "__0_0.distcp"
@@ -161,3 +162,6 @@ def test_a_rejected_newer_generation_is_moved_aside_and_saved_again(tmp_path) ->
         mgr.save(2)  # the same update number again: no GenerationExists
     assert [g.name for g in mgr.generations() if g.state == "committed"] == [
         "gen-000000000002", "gen-000000000001"]
+    assert cli(["ls", root]) == 0
+    listing = capsys.readouterr().out
+    assert f"rejected/{moved}" in listing and "quarantined" in listing
