@@ -138,6 +138,17 @@ class Comm:
         return frozenset()
 
     def close(self) -> None:
-        if self.distributed and self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        """Destroy the checkpoint group (local, no collective; idempotent).
+
+        The group object is released here, not at interpreter exit: freeing it joins its gloo
+        worker threads (torch releases the GIL for that), so none is left to drop a finished
+        collective during finalisation, where taking the GIL kills the thread inside a
+        noexcept destructor (std::terminate, SIGABRT). A job that destroyed the default group
+        first has shut ours down with it; then only the reference is dropped.
+        """
+        group, self.group = self.group, None
+        if group is None:
+            return
+        if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+        del group  # the last reference: the C++ group is destroyed now

@@ -372,22 +372,44 @@ class CheckpointManager:
         self._raise_unraised()
 
     def close(self) -> None:
-        """Wait (bounded by ``close_timeout_s``) for outstanding saves, then release resources."""
+        """Wait (bounded by ``close_timeout_s``) for outstanding saves, then release resources.
+
+        Leaves nothing behind for interpreter finalisation, where a thread that needs the GIL
+        is killed wherever it stands (inside native code: std::terminate, SIGABRT): every
+        thread this manager started is joined (save threads within ``close_timeout_s``),
+        staging buffers and the cached plan are dropped, and the checkpoint gloo group is
+        destroyed and freed, which joins its worker threads. Local to this rank: no collective.
+        """
         if self._closed:
             return
+        deadline = time.monotonic() + self.config.close_timeout_s
         try:
             self.wait(self.config.close_timeout_s)
             if self.uploader is not None and self.comm.rank == 0 and not self.uploader.drain(
                     self.config.close_timeout_s):
                 log.error("mirror uploads still pending at close; they are not durable remotely")
         finally:
+            self._closed = True
             if self.uploader is not None:
                 self.uploader.close(self.config.close_timeout_s)
             self._janitor.shutdown(wait=True)
-            self._closed = True
+            self._join_save_threads(deadline)
             if self.staging is not None and not self._jobs:
                 self.staging.free()
+            self.plans.clear()
             self.comm.close()
+
+    def _join_save_threads(self, deadline: float) -> None:
+        """After a failed or timed-out ``wait``: join the save threads still listed until the
+        deadline and reap them. One still running is reported: it is a daemon thread, which
+        the interpreter kills at exit."""
+        for job in list(self._jobs):
+            if job.thread is not None:
+                job.thread.join(max(0.0, deadline - time.monotonic()))
+        self._reap()
+        if self._jobs:
+            log.error("save(s) %s still running at close; they fail if the process exits first",
+                      ", ".join(job.request.generation for job in self._jobs))
 
     def _check_open(self) -> None:
         if self._closed:

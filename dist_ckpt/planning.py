@@ -69,6 +69,10 @@ class SavePlanCache:
         self.planning_rounds = 0
         self.plan_bytes: int | None = None  # tensor bytes this rank writes under the cached plan
 
+    def clear(self) -> None:
+        """Forget the cached plan (the next ``prepare`` plans again on every rank)."""
+        self.fingerprint, self._plan, self._metadata, self.plan_bytes = None, None, None, None
+
     def prepare(self, state: Any, fingerprint: str, all_cached: bool) -> PreparedSave:
         """All ranks call this together; ``all_cached`` must be the agreed value."""
         planner = DefaultSavePlanner()

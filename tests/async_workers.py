@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from dist_ckpt import CommitError, faults
@@ -130,3 +131,73 @@ def store_keys_after_saves(rank: int, world: int, root: str) -> dict:
     acks = [mgr.comm.store.check([f"{key}/read"]) for key in keys]
     mgr.close()
     return {"present": present, "acks": acks}
+
+
+def _gloo_worker_threads() -> int:
+    """Native gloo worker threads of this process (two per live gloo group)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as handle:
+                count += handle.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
+
+
+def close_leaves_no_threads(rank: int, world: int, root: str) -> dict:
+    """Threads and buffers left by close(): after async saves with retention, after a save
+    that outlives the close timeout, and after a job destroyed the default group first."""
+    job = workers.build("fsdp", rank, world)
+    workers.train_step(job)
+    before = {"python": sorted(t.name for t in threading.enumerate()), "gloo": _gloo_worker_threads()}
+    out: dict = {"before": before}
+    mgr = workers.manager(job, os.path.join(root, "plain"), async_save=True, max_in_flight=2,
+                          keep_last=2)
+    out["during_gloo"] = _gloo_worker_threads()
+    for update in (1, 2, 3):
+        workers.train_step(job)
+        mgr.save(update)
+    mgr.close()
+    out["plain"] = {"python": sorted(t.name for t in threading.enumerate()),
+                    "gloo": _gloo_worker_threads(), "staging": mgr.staging.allocated_bytes,
+                    "jobs": len(mgr._jobs), "group_released": mgr.comm.group is None}
+
+    mgr = workers.manager(job, os.path.join(root, "late"), async_save=True, close_timeout_s=0.2)
+    faults.configure({"write.before": {"delay_s": 1.5}})
+    try:
+        workers.train_step(job)
+        late = mgr.save(1)
+        try:
+            mgr.close()
+            out["late_raised"] = None
+        except CommitError as exc:
+            out["late_raised"] = str(exc)
+        out["late_still_listed"] = [j.request.generation for j in mgr._jobs]
+        late.thread.join()  # this test's process must not exit under it
+    finally:
+        faults.configure(None)
+    out["late_gloo"] = _gloo_worker_threads()
+    return out
+
+
+def close_after_default_group_destroyed(rank: int, world: int, root: str) -> dict:
+    """A job that destroys the default group (and with it ours) inside the ``with`` block."""
+    import torch.distributed as dist
+
+    job = workers.build("ddp", rank, world)
+    before = _gloo_worker_threads()  # the default group's: the DDP model keeps it alive
+    mgr = workers.manager(job, root, async_save=True)
+    workers.train_step(job)
+    mgr.save(1)
+    dist.destroy_process_group()
+    try:
+        mgr.close()
+        out = {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - the verdict
+        out = {"raised": f"{type(exc).__name__}: {exc}"}
+    out.update(group_released=mgr.comm.group is None, gloo=(before, _gloo_worker_threads()),
+               committed=[g.name for g in mgr.generations() if g.state == "committed"])
+    # a default group again for the harness (world size 1: an in-process store suffices)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return out

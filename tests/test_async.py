@@ -120,3 +120,24 @@ def test_store_keys_of_finished_saves_are_deleted(tmp_path) -> None:
     # newest may still wait for its acknowledgement when rank 0 reaped its job
     assert ranks[0]["present"][:3] == [False, False, False]
     assert ranks[0]["acks"][:3] == [False, False, False]
+
+
+def test_close_leaves_no_threads_buffers_or_group(tmp_path) -> None:
+    ranks = run_ranks(2, async_workers.close_leaves_no_threads, str(tmp_path), timeout_s=180)
+    for result in ranks:
+        before, plain = result["before"], result["plain"]
+        assert result["during_gloo"] > before["gloo"]  # the checkpoint group's workers
+        # every thread the manager started is joined and its gloo group freed
+        assert plain["python"] == before["python"] and plain["gloo"] == before["gloo"]
+        assert plain["staging"] == 0 and plain["jobs"] == 0 and plain["group_released"]
+        # a save outliving close_timeout_s: close raises, still frees the group, lists the save
+        assert "still in flight" in result["late_raised"]
+        assert result["late_still_listed"] == ["gen-000000000001"]
+        assert result["late_gloo"] == before["gloo"]
+
+
+def test_close_after_the_default_group_was_destroyed(tmp_path) -> None:
+    [result] = run_ranks(1, async_workers.close_after_default_group_destroyed, str(tmp_path))
+    assert result["raised"] is None and result["group_released"]
+    assert result["gloo"][0] == result["gloo"][1]  # the checkpoint group's workers joined
+    assert result["committed"] == ["gen-000000000001"]
