@@ -34,6 +34,7 @@ from .cli_common import (
 from .cli_inspect import cmd_inspect, cmd_verify
 from .cli_ops import cmd_pin, cmd_quarantine, cmd_rm
 from .cli_plan import add_plan_parser
+from .cli_rehearse import add_rehearse_parser
 from .errors import DistCkptError, StorageError, ValidationError
 from .inventory import GenerationInfo, inventory
 from .manifest import (
@@ -209,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_root(plan)
     for cmd in [*commands, plan]:
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    add_rehearse_parser(sub)
     return parser
 
 
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
         parser.print_usage(sys.stderr)
-        error("a command is required (ls, inspect, verify, prune, pin, unpin, quarantine, rm, plan)")
+        error("a command is required (see --help)")
         return 2
     try:
         return int(args.func(args))

@@ -66,6 +66,8 @@ class CheckpointConfig(BaseModel):
     save_every: int | None = Field(default=None, ge=1)
     cadence: Literal["fixed", "auto"] = "fixed"
     mtbf_s: float = Field(default=4 * 3600.0, gt=0)
+    # retention deletes nothing until the newest committed generation passed a rehearsal
+    require_rehearsal: bool = False
 
     def __init__(self, **data: object) -> None:
         try:

@@ -16,12 +16,13 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import agreement, codec, events, logs, quarantine, retention, runinfo
 from . import contract as contract_mod
+from . import rehearse as rehearsal
 from .comm import Comm
 from .config import CheckpointConfig
 from .coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save, run_save_in_background
@@ -40,6 +41,7 @@ from .manifest import LATEST_NAME, MANIFEST_NAME, PENDING_PREFIX, generation_nam
 from .mirror import MirrorUploader
 from .planning import SavePlanCache, layout_fingerprint
 from .publish import PublishInfo
+from .rehearse import RehearsalResult
 from .restore import RestoreResult, load_generation, select_generation
 from .schedule import SaveSchedule
 from .space import check_space, free_bytes
@@ -125,6 +127,7 @@ class CheckpointManager:
         self._raised: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._rehearsal: RehearsalResult | None = None
         self.schedule = None if config.save_every is None else SaveSchedule(
             every=config.save_every, auto=config.cadence == "auto", mtbf_s=config.mtbf_s)
         runinfo.report(self.comm.rank, root=config.root, mirror=config.mirror,
@@ -149,6 +152,8 @@ class CheckpointManager:
         ``CommitError`` of an earlier failed generation (once, on every rank) instead of saving.
         """
         self._check_open()
+        if self._rehearsal is not None:  # dist-ckpt rehearse --script: one update, no write
+            rehearsal.end_script_rehearsal(self, self._rehearsal, next_update)
         started = time.perf_counter()
         self.stats.requested += 1
         live = self.state.tensor_state()
@@ -187,7 +192,7 @@ class CheckpointManager:
         self._check_open()
         if self.schedule is None:
             raise ConfigError("maybe_save needs CheckpointConfig(save_every=N) (field save_every)")
-        if not self.schedule.due(next_update):
+        if not self.schedule.due(next_update) and self._rehearsal is None:
             return None
         job = self.save(next_update, tokens_seen=tokens_seen)
         if job is not None:
@@ -202,6 +207,8 @@ class CheckpointManager:
         the tokens seen. Raises ``CommitError`` (per-rank map) when any step fails; no DONE
         is written then."""
         self._check_open()
+        if self._rehearsal is not None:  # a rehearsal writes neither a generation nor DONE
+            rehearsal.end_script_rehearsal(self, self._rehearsal, final_update)
         return finish_run(self, final_update, tokens_seen)
 
     def _agree(self, name: str, fingerprint: str) -> list[dict]:
@@ -319,9 +326,13 @@ class CheckpointManager:
             log.exception("local retention pass failed")
 
     def _prune_local_now(self) -> None:
+        committed = self._committed_names()
+        if self.config.require_rehearsal and committed and not rehearsal.passed(self.backend, committed[0]):
+            log.info("retention waits: %s has not passed a rehearsal (require_rehearsal)", committed[0])
+            return
         pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
         pinned |= self.comm.read_names(PINS_KEY)
-        retention.prune(self.backend, self._committed_names(), keep_last=self.config.keep_last,
+        retention.prune(self.backend, committed, keep_last=self.config.keep_last,
                         keep_every=self.config.keep_every,
                         pinned=pinned)
 
@@ -422,6 +433,11 @@ class CheckpointManager:
                 verify_digests: bool = True) -> RestoreResult:
         """Load the newest generation that validates (all ranks); a fresh start if none."""
         self._check_open()
+        target = rehearsal.script_mode()
+        if target is not None:
+            self._rehearsal = rehearsal.rehearse(self, None if target == "newest" else target, None)
+            return RestoreResult(next_update=self._rehearsal.next_update,
+                                 generation=self._rehearsal.generation)
         tiers = [self.backend] + ([self.mirror] if self.mirror is not None else [])
         name, manifest, backend, rejected = select_generation(self.comm, tiers, digests=verify_digests,
                                                               key=self.config.signing_key)
@@ -456,6 +472,16 @@ class CheckpointManager:
         if self.schedule is not None:
             self.schedule.last_saved = result.next_update
         return result
+
+    def rehearse(self, step_fn: Callable[[TrainState], float] | None = None, *,
+                 generation: str | None = None) -> RehearsalResult:
+        """Prove a generation restorable (all ranks), on a manager built around fresh objects:
+        load it (the newest that validates, or ``generation``) with every component checked,
+        run ``step_fn(state) -> loss`` once when given, and record the outcome (loss, digest
+        of the updated state) in ``ROOT/rehearsals.json``. Raises ``RehearsalFailed`` naming
+        the component (contract, model, optimizer, rng, load) that failed."""
+        self._check_open()
+        return rehearsal.rehearse(self, generation, step_fn)
 
     def _pointer_warnings(self) -> list[str]:
         """Rank 0: a latest pointer naming a generation that is not there is worth a warning

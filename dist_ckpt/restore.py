@@ -61,7 +61,7 @@ def select_generation(comm: Comm, tiers: list[Backend], *, digests: bool = True,
         for backend, listing in zip(tiers, listings, strict=True):
             if name not in listing:
                 continue
-            verdict = _validate_everywhere(comm, backend, name, digests=digests, key=key)
+            verdict = validate_everywhere(comm, backend, name, digests=digests, key=key)
             if isinstance(verdict, Problem):
                 verdict.tier = backend.root
                 rejected.append(verdict)
@@ -77,7 +77,7 @@ def _listing(backend: Backend) -> set[str]:
         return set()
 
 
-def _validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bool,
+def validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bool,
                          key: bytes | None) -> Manifest | Problem:
     """Rank 0 checks structure and sizes; the digest check is split across ranks."""
     if comm.rank == 0:
@@ -160,10 +160,7 @@ def _dcp_load(comm: Comm, backend: Backend, name: str, manifest: Manifest, templ
               scratch_parent: str | None) -> None:
     """DCP load of ``template`` (all ranks); a verification failure on any rank becomes one
     ``ValidationError`` naming each failing rank's file."""
-    if isinstance(backend, ObjectStoreBackend):  # what DCP reads is what was verified
-        reader: StorageReader = VerifiedObjectReader(backend, name, manifest, scratch_parent)
-    else:  # a local root is trusted-local data (requirements section 8)
-        reader = backend.dcp_reader(f"{name}/{manifest.location('dcp')}")
+    reader = dcp_reader_for(backend, name, manifest, scratch_parent)
     try:
         if comm.distributed:
             dcp.load(template, storage_reader=reader, process_group=comm.group)
@@ -183,6 +180,16 @@ def _dcp_load(comm: Comm, backend: Backend, name: str, manifest: Manifest, templ
     finally:
         if isinstance(reader, VerifiedObjectReader):
             reader.cleanup()
+
+
+def dcp_reader_for(backend: Backend, name: str, manifest: Manifest,
+                   scratch_parent: str | None) -> StorageReader:
+    """The DCP reader of a validated generation: on an object store, private verified local
+    copies (what DCP reads is what was verified); on a local root, the files themselves (a
+    local root is trusted-local data)."""
+    if isinstance(backend, ObjectStoreBackend):
+        return VerifiedObjectReader(backend, name, manifest, scratch_parent)
+    return backend.dcp_reader(f"{name}/{manifest.location('dcp')}")
 
 
 def _read_verified(backend: Backend, name: str, manifest: Manifest, path: str) -> bytes:
