@@ -31,6 +31,7 @@ from .cli_common import (
     update_number,
     warn,
 )
+from .cli_export import add_export_parser
 from .cli_inspect import cmd_inspect, cmd_verify
 from .cli_ops import cmd_pin, cmd_quarantine, cmd_rm
 from .cli_plan import add_plan_parser
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in [*commands, plan]:
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
     add_rehearse_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import agreement, codec, events, logs, quarantine, retention, runinfo
+from . import agreement, codec, events, logs, retention, runinfo
 from . import contract as contract_mod
 from . import rehearse as rehearsal
 from .comm import Comm
@@ -32,17 +32,17 @@ from .errors import (
     ConfigError,
     GenerationExists,
     NotAtOptimizerBoundary,
-    UntrustedGenerations,
     ValidationError,
 )
 from .finish import finish_run
 from .inventory import GenerationInfo, inspect_generation, inventory
-from .manifest import LATEST_NAME, MANIFEST_NAME, PENDING_PREFIX, generation_name, read_latest_name
+from .manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
 from .mirror import MirrorUploader
 from .planning import SavePlanCache, layout_fingerprint
 from .publish import PublishInfo
 from .rehearse import RehearsalResult
-from .restore import RestoreResult, load_generation, select_generation
+from .restore import RestoreResult
+from .resume import resume
 from .schedule import SaveSchedule
 from .space import check_space, free_bytes
 from .staging import StagingPool
@@ -438,38 +438,8 @@ class CheckpointManager:
             self._rehearsal = rehearsal.rehearse(self, None if target == "newest" else target, None)
             return RestoreResult(next_update=self._rehearsal.next_update,
                                  generation=self._rehearsal.generation)
-        tiers = [self.backend] + ([self.mirror] if self.mirror is not None else [])
-        name, manifest, backend, rejected = select_generation(self.comm, tiers, digests=verify_digests,
-                                                              key=self.config.signing_key)
-        if name is None and rejected and all(p.signature for p in rejected) \
-                and self.config.key_rejects_all_raises:
-            raise UntrustedGenerations(
-                f"the signing key rejects every generation under {self.config.root} "
-                f"({len(rejected)}; first: {rejected[0]}); a fresh start would discard them")
-        if self.config.is_local:
-            quarantine.move_blocking(self.comm, self.config.root, rejected, name)
-        notes = self.comm.broadcast(self._pointer_warnings() if self.comm.rank == 0 else None)
-        if name is None or manifest is None:
-            runinfo.report(self.comm.rank, resumed_from=None, next_update=0,
-                           rejected=[str(p) for p in rejected])
-            result = RestoreResult(rejected=rejected, warnings=notes)
-            if self.comm.rank == 0:
-                events.log_restore(result, None)
-            return result
-        allow = self.config.allow_contract_change if allow_contract_change is None \
-            else allow_contract_change
-        result = load_generation(
-            self.comm, backend, self.state, name, manifest,
-            self.state.components if components is None else components,
-            allow_contract_change=allow, strict_torch_version=self.config.strict_torch_version,
-            scratch_parent=self.config.cache_dir)
-        result.rejected = rejected
-        result.warnings = notes + result.warnings
-        if self.comm.rank == 0:
-            events.log_restore(result, backend.root if backend is not None else None)
-        runinfo.report(self.comm.rank, resumed_from=name, next_update=result.next_update,
-                       rejected=[str(p) for p in rejected])
-        if self.schedule is not None:
+        result = resume(self, components, allow_contract_change, verify_digests)
+        if self.schedule is not None and result.generation is not None:
             self.schedule.last_saved = result.next_update
         return result
 
@@ -482,14 +452,6 @@ class CheckpointManager:
         the component (contract, model, optimizer, rng, load) that failed."""
         self._check_open()
         return rehearsal.rehearse(self, generation, step_fn)
-
-    def _pointer_warnings(self) -> list[str]:
-        """Rank 0: a latest pointer naming a generation that is not there is worth a warning
-        (restore never trusts the pointer, but a person reading the root does)."""
-        pointed = read_latest_name(self.backend)
-        if pointed is None or self.backend.exists(f"{pointed}/{MANIFEST_NAME}"):
-            return []
-        return [f"{LATEST_NAME} points at {pointed}, which is missing under {self.config.root}"]
 
     def pin(self, generation: str, label: str | None = "pinned") -> dict[str, str]:
         """Pin a committed generation so that no pruning deletes it (``label=None`` unpins).
