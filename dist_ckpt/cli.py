@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+from . import progress
 from .cli_common import (
     PROG,
     QUARANTINED_ENTRY,
@@ -51,6 +52,7 @@ from .storage.objectstore import ObjectStoreBackend
 from .version import __version__
 
 FOOTNOTE = "ls checks sizes; `dist-ckpt verify` checks digests"
+PROGRESS_COMMANDS = frozenset({"verify", "export", "diff"})  # long work: bytes and rate
 
 
 def ls_record(info: GenerationInfo, latest: str | None, pins: dict[str, str]) -> dict[str, Any]:
@@ -290,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         error("a command is required (see --help)")
         return 2
     try:
-        return int(args.func(args))
+        shown = sys.stderr.isatty() and not getattr(args, "json", False)
+        with progress.bar(args.command, enabled=shown and args.command in PROGRESS_COMMANDS):
+            return int(args.func(args))
     except UsageError as exc:
         error(str(exc))
         return 2

@@ -54,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from . import progress
 from .errors import DistCkptError, ValidationError
 from .inventory import inspect_generation
 from .manifest import MANIFEST_NAME, Manifest, check_generation_name, check_relative_path
@@ -427,6 +428,7 @@ def _write_shards(source: _Source, entries: list[_Entry], tmp: str, max_bytes: i
                 tensor = loaded.pop(entry.name)
                 if dedup.canonical(entry, tensor) is None:
                     tensors[entry.name] = tensor.to(entry.dtype)
+                progress.advance(entry.source_nbytes)
         if tensors:
             part = f".part-{len(parts):05d}"
             digest = _write_safetensors(os.path.join(tmp, part), tensors)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from . import progress
 from .errors import StorageError, ValidationError
 from .manifest import (
     GLOBAL_STATE_FILE,
@@ -104,6 +105,7 @@ def check_digests(backend: Backend, generation: str, manifest: Manifest,
         if wanted is not None and entry.path not in wanted:
             continue
         digest = backend.sha256(f"{generation}/{manifest.location(entry.path)}")
+        progress.advance(entry.size)
         if digest != entry.sha256:
             raise ValidationError(f"{generation}: file {entry.path} has sha256 {digest[:12]}..., "
                                   f"manifest says {entry.sha256[:12]}...",
