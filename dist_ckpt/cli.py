@@ -32,6 +32,7 @@ from .cli_common import (
     update_number,
     warn,
 )
+from .cli_diff import add_diff_parser
 from .cli_export import add_export_parser
 from .cli_inspect import cmd_inspect, cmd_verify
 from .cli_ops import cmd_pin, cmd_quarantine, cmd_rm
@@ -215,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
     add_rehearse_parser(sub)
     add_export_parser(sub)
+    add_diff_parser(sub)
     return parser
 
 
