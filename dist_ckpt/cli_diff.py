@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from .cli_common import PROG, UsageError, checked_generation, error, open_root
+from .cli_common import UsageError, checked_generation, open_root
 from .diff import (
     COMPONENTS,
     Difference,
@@ -19,7 +18,6 @@ from .diff import (
     open_generation,
     split_spec,
 )
-from .errors import DistCkptError, ValidationError
 from .signing import key_from_env
 
 DIFF_EPILOG = f"""\
@@ -103,29 +101,3 @@ def difference_text(d: Difference) -> str:
         return f"max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g}"
     text = f"{d.a} vs {d.b}"
     return f"{text} ({d.note})" if d.note else text
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m dist_ckpt.cli_diff A B``), with ``dist-ckpt``'s exit codes."""
-    parser = argparse.ArgumentParser(prog=PROG)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    add_diff_parser(sub)
-    try:
-        args = parser.parse_args(["diff", *(sys.argv[1:] if argv is None else argv)])
-    except SystemExit as exc:  # argparse reports usage errors itself (status 2), --help (0)
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
-        return cmd_diff(args)
-    except UsageError as exc:
-        error(str(exc))
-        return 2
-    except ValidationError as exc:
-        error(str(exc) + (f" (file {exc.path})" if exc.path else ""))
-        return 1
-    except (DistCkptError, OSError) as exc:
-        error(str(exc) or type(exc).__name__)
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

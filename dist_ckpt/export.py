@@ -59,6 +59,7 @@ from .errors import DistCkptError, ValidationError
 from .inventory import inspect_generation
 from .manifest import MANIFEST_NAME, Manifest, check_generation_name, check_relative_path
 from .storage.base import Backend, open_backend
+from .storage.local import fsync_dir
 from .storage.objectstore import ObjectStoreBackend
 from .storage.verified import VerifiedObjectReader
 from .validate import check_digests, check_sizes, check_structure, list_generations
@@ -187,18 +188,10 @@ def _refuse_existing(out: str) -> None:
 def _publish(tmp: str, out: str) -> None:
     """fsync the directory, then rename it into place (checked again: rename would replace an
     empty directory created meanwhile), then fsync the parent so the rename survives a crash."""
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     _refuse_existing(out)
     os.rename(tmp, out)
-    _fsync_dir(os.path.dirname(out))
-
-
-def _fsync_dir(path: str) -> None:
-    handle = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
+    fsync_dir(os.path.dirname(out))
 
 
 # ---- the source generation -----------------------------------------------------------------

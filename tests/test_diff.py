@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_ckpt.cli_diff import main
+from dist_ckpt.cli import main as dist_ckpt_main
 from dist_ckpt.diff import COMPONENTS, compare_tensors, diff
 from dist_ckpt.state import ALL_COMPONENTS
 from dist_ckpt.testing import run_ranks
@@ -63,7 +63,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
+    code = dist_ckpt_main(["diff", *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
