@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-import dist_ckpt.manager as manager_mod
+import dist_ckpt.resume as resume_mod
 from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, faults
 from dist_ckpt.cli import main as cli
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
@@ -123,7 +123,7 @@ def test_object_swapped_after_validation_is_never_deserialised(
         s3_root: str, target: str, monkeypatch: pytest.MonkeyPatch) -> None:
     two_generations(s3_root)
     backend = ObjectStoreBackend(s3_root)
-    original = manager_mod.select_generation
+    original = resume_mod.select_generation
 
     def select_then_swap(*args, **kwargs):
         chosen = original(*args, **kwargs)
@@ -134,7 +134,7 @@ def test_object_swapped_after_validation_is_never_deserialised(
         backend.fs.pipe_file(key, bytes(data))
         return chosen
 
-    monkeypatch.setattr(manager_mod, "select_generation", select_then_swap)
+    monkeypatch.setattr(resume_mod, "select_generation", select_then_swap)
     with CheckpointManager(CheckpointConfig(root=s3_root), make_state()) as mgr:
         with pytest.raises(Exception) as caught:
             mgr.restore()
