@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from . import logs
 from .coordinator import SaveJob
 from .manifest import Manifest
@@ -12,6 +14,8 @@ log = logs.get("dist_ckpt.manager")
 
 def log_commit(job: SaveJob, root: str, *, asynchronous: bool) -> None:
     """Rank 0, after a generation committed: what it cost and where it went."""
+    if not log.isEnabledFor(logging.INFO):  # parsing a large manifest costs; skip when unheard
+        return
     name = job.request.generation
     try:
         total = Manifest.from_bytes(job.manifest_raw or b"", generation=name).total_bytes
