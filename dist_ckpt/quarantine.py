@@ -57,9 +57,12 @@ def move_blocking(comm: Comm, root: str, rejected: list[Problem], chosen: str | 
     """All ranks: each filesystem leader moves its copies of the blocking rejections aside;
     returns the moved generation names (agreed). A move that fails is logged, not raised:
     the save of that update number then fails with ``GenerationExists`` instead."""
+    moving = blocking(rejected, chosen, root)
+    if not moving:  # the same agreed inputs on every rank: all skip the all-gather together
+        return []
     moved: list[str] = []
     if comm.rank == comm.fs_leader:
-        for problem in blocking(rejected, chosen, root):
+        for problem in moving:
             try:
                 if quarantine(root, problem) is not None:
                     moved.append(problem.generation)
