@@ -39,7 +39,6 @@ import json
 import os
 import pickle
 import shutil
-import struct
 import subprocess
 import tempfile
 import time
@@ -58,6 +57,7 @@ from . import progress
 from .errors import DistCkptError, ValidationError
 from .inventory import inspect_generation
 from .manifest import MANIFEST_NAME, Manifest, check_generation_name, check_relative_path
+from .safetensors_file import ST_DTYPES, byte_view, write_safetensors
 from .storage.base import Backend, open_backend
 from .storage.local import fsync_dir
 from .storage.objectstore import ObjectStoreBackend
@@ -71,12 +71,6 @@ RELEASE_NAME = "release.json"
 LOAD_BATCH_BYTES = 256 << 20
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-              torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
-              torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
-
-
 class ExportError(DistCkptError):
     """The export could not be written (unsupported tensor, bad option, I/O)."""
 
@@ -252,7 +246,7 @@ def _model_entries(metadata: Metadata, cast: torch.dtype | None) -> tuple[list[_
             skipped.append(key)
             continue
         source = md.properties.dtype
-        if source not in _ST_DTYPES:
+        if source not in ST_DTYPES:
             raise ExportError(f"{key}: dtype {source} has no safetensors equivalent")
         out = cast if cast is not None and source.is_floating_point else source
         entries.append(_Entry(str(path[1]), key, tuple(md.size), source, out))
@@ -359,7 +353,7 @@ class _Dedup:
     def canonical(self, entry: _Entry, tensor: torch.Tensor) -> str | None:
         if (entry.source_dtype, entry.shape) not in self.candidates:
             return None
-        sig = (entry.source_dtype, entry.shape, hashlib.sha256(_byte_view(tensor)).hexdigest())
+        sig = (entry.source_dtype, entry.shape, hashlib.sha256(byte_view(tensor)).hexdigest())
         first = self.seen.setdefault(sig, entry.name)
         if first == entry.name or not self._tied(first, entry.name):
             return None
@@ -372,43 +366,6 @@ class _Dedup:
 
 
 # ---- writing -----------------------------------------------------------------------------------
-def _byte_view(tensor: torch.Tensor) -> Any:
-    """The tensor's bytes as a numpy uint8 view (no copy for a contiguous tensor)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def _write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
-    """Write one safetensors file straight from the tensors' memory (safetensors' own
-    ``save_file`` copies every tensor into a bytes object first: twice the shard) and
-    return its sha256."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
-    digest = hashlib.sha256()
-    with open(path, "xb") as handle:
-        for chunk in (struct.pack("<Q", len(raw)), raw, *(_byte_view(t) for t in tensors.values())):
-            digest.update(chunk)
-            handle.write(chunk)
-        handle.flush()
-        os.fsync(handle.fileno())
-    _check_readable(path, tensors)
-    return digest.hexdigest()
-
-
-def _check_readable(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors import safe_open  # the reference reader parses our header (no data read)
-
-    with safe_open(path, framework="pt") as handle:
-        if set(handle.keys()) != set(tensors):
-            raise ExportError(f"{path}: safetensors reads other tensor names than were written")
-
-
 def _write_shards(source: _Source, entries: list[_Entry], tmp: str, max_bytes: int,
                   dedup: _Dedup) -> list[tuple[str, list[str], str]]:
     """Write the shards as ``.part-N`` files; return (part file, tensor names, sha256) each."""
@@ -424,7 +381,7 @@ def _write_shards(source: _Source, entries: list[_Entry], tmp: str, max_bytes: i
                 progress.advance(entry.source_nbytes)
         if tensors:
             part = f".part-{len(parts):05d}"
-            digest = _write_safetensors(os.path.join(tmp, part), tensors)
+            digest = write_safetensors(os.path.join(tmp, part), tensors)
             parts.append((part, list(tensors), digest))
         del tensors
     return parts
