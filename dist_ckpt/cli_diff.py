@@ -14,10 +14,10 @@ from .diff import (
     DiffReport,
     Generation,
     diff_generations,
-    newest_committed,
     open_generation,
     split_spec,
 )
+from .inventory import newest_committed
 from .signing import key_from_env
 
 DIFF_EPILOG = f"""\

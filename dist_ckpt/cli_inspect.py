@@ -23,7 +23,7 @@ from .cli_common import (
     warn,
 )
 from .errors import StorageError, ValidationError
-from .inventory import inspect_generation
+from .inventory import newest_committed
 from .manifest import (
     GLOBAL_STATE_FILE,
     Manifest,
@@ -41,14 +41,14 @@ def default_generation(backend: Backend) -> str:
     names = list_generations(backend)
     if not names:
         raise UsageError(f"no generation under {backend.root}")
-    key = key_from_env()
-    for index, name in enumerate(names):
-        if inspect_generation(backend, name, digests=False, key=key).state == "committed":
-            if index:  # say so: an exit 0 must not hide that something newer is broken
-                print(f"{PROG}: note: newer {', '.join(names[:index])} not committed or invalid; "
-                      f"using {name}", file=sys.stderr)
-            return name
-    return names[0]
+    name = newest_committed(backend, key_from_env())
+    if name is None:
+        return names[0]
+    if name != names[0]:  # say so: an exit 0 must not hide that something newer is broken
+        newer = names[:names.index(name)]
+        print(f"{PROG}: note: newer {', '.join(newer)} not committed or invalid; using {name}",
+              file=sys.stderr)
+    return name
 
 
 def manifest_summary(manifest: Manifest, latest: str | None) -> list[tuple[str, str]]:

@@ -37,12 +37,13 @@ from torch.distributed.checkpoint.metadata import (
 
 from . import codec, progress
 from .errors import StorageError, ValidationError
+from .inventory import newest_committed
 from .manifest import GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
 from .restore import _read_verified
 from .storage.base import Backend, open_backend
 from .storage.objectstore import ObjectStoreBackend
 from .storage.verified import VerifiedObjectReader
-from .validate import check_digests, check_sizes, check_structure, list_generations
+from .validate import check_digests, check_sizes, check_structure
 
 COMPONENTS = ("contract", "counters", "data", "rng", "scheduler", "scaler", "extras", "model",
               "optimizer")
@@ -130,17 +131,6 @@ def split_spec(spec: str) -> tuple[str, str | None]:
     if head.endswith(":/") or head.endswith(":"):  # s3://gen-... names a bucket, not a generation
         return spec, None
     return head or ".", tail
-
-
-def newest_committed(backend: Backend, key: bytes | None = None) -> str | None:
-    """The newest generation whose structure and sizes check out (what restore would try)."""
-    for name in list_generations(backend):
-        try:
-            check_sizes(backend, name, check_structure(backend, name, key=key))
-        except (ValidationError, OSError):
-            continue
-        return name
-    return None
 
 
 def open_generation(backend: Backend, name: str, *, key: bytes | None = None) -> Generation:

@@ -55,14 +55,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from . import progress
 from .errors import DistCkptError, ValidationError
-from .inventory import inspect_generation
+from .inventory import newest_committed
 from .manifest import MANIFEST_NAME, Manifest, check_generation_name, check_relative_path
 from .safetensors_file import ST_DTYPES, byte_view, write_safetensors
 from .storage.base import Backend, open_backend
 from .storage.local import fsync_dir
 from .storage.objectstore import ObjectStoreBackend
 from .storage.verified import VerifiedObjectReader
-from .validate import check_digests, check_sizes, check_structure, list_generations
+from .validate import check_digests, check_sizes, check_structure
 from .version import __version__
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -191,7 +191,9 @@ def _publish(tmp: str, out: str) -> None:
 # ---- the source generation -----------------------------------------------------------------
 def _open_source(backend: Backend, generation: str | None, key: bytes | None,
                  cache_dir: str | None) -> _Source:
-    name = generation if generation is not None else _newest_committed(backend, key)
+    name = generation if generation is not None else newest_committed(backend, key)
+    if name is None:
+        raise ValidationError(f"no committed generation under {backend.root}")
     check_generation_name(name)
     manifest = check_structure(backend, name, key=key)
     check_sizes(backend, name, manifest)
@@ -204,13 +206,6 @@ def _open_source(backend: Backend, generation: str | None, key: bytes | None,
     setattr(reader, "read_metadata", lambda *args, **kwargs: metadata)  # noqa: B010
     return _Source(backend, name, manifest, hashlib.sha256(raw).hexdigest(), reader, metadata,
                    ["dcp/.metadata"])
-
-
-def _newest_committed(backend: Backend, key: bytes | None) -> str:
-    for name in list_generations(backend):
-        if inspect_generation(backend, name, digests=False, key=key).state == "committed":
-            return name
-    raise ValidationError(f"no committed generation under {backend.root}")
 
 
 def _metadata_reader(backend: Backend, name: str, manifest: Manifest,

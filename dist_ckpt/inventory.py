@@ -44,3 +44,12 @@ def inventory(backend: Backend, *, digests: bool, key: bytes | None = None) -> l
         infos.append(GenerationInfo(name, None, "pending", reason="not committed (in flight "
                                                                   "or abandoned)"))
     return infos
+
+
+def newest_committed(backend: Backend, key: bytes | None = None) -> str | None:
+    """The newest generation whose structure and sizes check out (what restore tries first,
+    before digests), or None."""
+    for name in list_generations(backend):
+        if inspect_generation(backend, name, digests=False, key=key).state == "committed":
+            return name
+    return None

@@ -44,8 +44,8 @@ def done_verdict(run_root: str, reports: dict[int, dict[str, Any]],
     roots = {r.get("root") for r in reports.values() if r.get("root")} or {run_root}
     mirrors = {r.get("mirror") for r in reports.values() if r.get("mirror")} or {mirror}
     mirror_url = next(iter(mirrors))
+    mirror_backend = open_backend(mirror_url) if mirror_url else None
     for root in sorted(roots):
-        mirror_backend = open_backend(mirror_url) if mirror_url else None
         record, _ = check_done(open_backend(root), contract_digest=digest, mirror=mirror_backend)
         if record is not None:
             return Verdict(DONE, f"DONE: {record.generation}, {record.tokens_seen} tokens seen")
