@@ -2,7 +2,6 @@
 
 from . import faults
 from .config import CheckpointConfig
-from .done import DoneRecord
 from .errors import (
     CommitError,
     ConfigError,
@@ -20,11 +19,12 @@ from .errors import (
     UntrustedGenerations,
     ValidationError,
 )
-from .inventory import GenerationInfo
 from .manager import CheckpointManager
-from .restore import RestoreResult
-from .sampler import ResumableSampler
-from .state import TrainState
+from .ops.done import DoneRecord
+from .ops.inventory import GenerationInfo
+from .restart.sampler import ResumableSampler
+from .restart.state import TrainState
+from .restore.loader import RestoreResult
 from .version import __version__
 
 __all__ = [

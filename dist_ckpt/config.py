@@ -15,9 +15,9 @@ from pydantic import (
     model_validator,
 )
 
-from . import runinfo
 from .errors import ConfigError
-from .signing import KEY_ENV
+from .format.signing import KEY_ENV
+from .ops import runinfo
 
 ROOT_ENV = "DIST_CKPT_ROOT"
 

@@ -20,13 +20,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import agreement, codec, events, logs, retention, runinfo
-from . import contract as contract_mod
-from . import rehearse as rehearsal
-from .comm import Comm
+from . import logs
 from .config import CheckpointConfig
-from .coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save, run_save_in_background
-from .done import DoneRecord
 from .errors import (
     CommitError,
     ConfigError,
@@ -34,22 +29,36 @@ from .errors import (
     NotAtOptimizerBoundary,
     ValidationError,
 )
-from .finish import finish_run
-from .inventory import GenerationInfo, inspect_generation, inventory
-from .manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
-from .mirror import MirrorUploader
-from .planning import SavePlanCache, layout_fingerprint
-from .publish import PublishInfo
-from .rehearse import RehearsalResult
-from .restore import RestoreResult
-from .resume import resume
-from .schedule import SaveSchedule
-from .space import check_space, free_bytes
-from .staging import StagingPool
-from .state import TrainState
+from .format.manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
+from .format.validate import list_pending
+from .ops import events, retention, runinfo
+from .ops.done import DoneRecord
+from .ops.finish import finish_run
+from .ops.inventory import GenerationInfo, inspect_generation, inventory
+from .protocol import agreement
+from .protocol.comm import Comm
+from .restart import codec
+from .restart import contract as contract_mod
+from .restart.state import TrainState
+from .restore import rehearse as rehearsal
+from .restore.loader import RestoreResult
+from .restore.rehearse import RehearsalResult
+from .restore.resume import resume
+from .save.coordinator import (
+    SaveJob,
+    SaveRequest,
+    StoreKeyRetirer,
+    run_save,
+    run_save_in_background,
+)
+from .save.mirror import MirrorUploader
+from .save.planning import SavePlanCache, layout_fingerprint
+from .save.schedule import SaveSchedule
+from .save.space import check_space, free_bytes
+from .save.staging import StagingPool
 from .storage import open_backend
 from .storage.objectstore import ObjectStoreBackend
-from .validate import list_pending
+from .tiers.rename import PublishInfo
 from .version import __version__
 
 log = logs.get(__name__)

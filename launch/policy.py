@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dist_ckpt.done import check_done
+from dist_ckpt.ops.done import check_done
 from dist_ckpt.storage.base import open_backend
 
 DONE, FINISHED, STOPPED, PERMANENT, TRANSIENT = "done", "finished", "stopped", "permanent", "transient"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 
-from dist_ckpt.manifest import parse_generation
+from dist_ckpt.format.manifest import parse_generation
 from dist_ckpt.storage.local import atomic_write
 
 CURRENT_NAME = "current"

@@ -181,8 +181,8 @@ def raw_read(files: list[tuple[str, int]], rank: int, world: int) -> float:
 def generation_files(root: str) -> tuple[str, list[tuple[str, int]], int]:
     """The newest committed generation under ``root``: name, (path, size) of every listed file
     and the manifest's total bytes."""
+    from dist_ckpt.format.validate import list_generations, read_manifest
     from dist_ckpt.storage.local import LocalBackend
-    from dist_ckpt.validate import list_generations, read_manifest
 
     backend = LocalBackend(root)
     name = list_generations(backend)[0]
@@ -457,7 +457,7 @@ def rank_memory(rank: int, world: int, cfg: dict, base: str, slots: int) -> dict
 def sim_comm(world_size: int):
     import torch.distributed as dist
 
-    from dist_ckpt.comm import Comm
+    from dist_ckpt.protocol.comm import Comm
 
     class SimComm(Comm):
         """Rank 0 of ``world_size`` ranks with a private HashStore; no process group."""
@@ -474,11 +474,11 @@ def sim_comm(world_size: int):
 def sim_request(root: str, world_size: int, update: int):
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from dist_ckpt import contract
-    from dist_ckpt.coordinator import SaveRequest
-    from dist_ckpt.manifest import PENDING_PREFIX, generation_name
-    from dist_ckpt.planning import PreparedSave
-    from dist_ckpt.publish import PublishInfo
+    from dist_ckpt.format.manifest import PENDING_PREFIX, generation_name
+    from dist_ckpt.restart import contract
+    from dist_ckpt.save.coordinator import SaveRequest
+    from dist_ckpt.save.planning import PreparedSave
+    from dist_ckpt.tiers.rename import PublishInfo
     from dist_ckpt.version import __version__
 
     name = generation_name(update)
@@ -493,8 +493,8 @@ def sim_request(root: str, world_size: int, update: int):
 
 def sim_pending(request, comm) -> None:
     """The pending directory and the store as N ranks' run_save would leave them."""
-    from dist_ckpt.coordinator import _report_key
-    from dist_ckpt.manifest import DCP_DIR, GLOBAL_STATE_FILE, STATE_DIR, rank_state_file
+    from dist_ckpt.format.manifest import DCP_DIR, GLOBAL_STATE_FILE, STATE_DIR, rank_state_file
+    from dist_ckpt.save.coordinator import _report_key
 
     os.makedirs(os.path.join(request.pending, DCP_DIR))
     os.makedirs(os.path.join(request.pending, STATE_DIR))
@@ -518,9 +518,9 @@ def sim_pending(request, comm) -> None:
 
 def one_commit(root: str, world_size: int, update: int, profiler: cProfile.Profile | None) -> float:
     """Time rank 0's ``commit`` of one simulated generation; check it committed and validates."""
-    from dist_ckpt.coordinator import commit
+    from dist_ckpt.format.validate import validate
+    from dist_ckpt.save.coordinator import commit
     from dist_ckpt.storage.local import LocalBackend
-    from dist_ckpt.validate import validate
 
     comm = sim_comm(world_size)
     request = sim_request(root, world_size, update)

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 import torch  # noqa: E402
 
-from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState  # noqa: E402
-from dist_ckpt.storage.objectstore import ObjectStoreBackend  # noqa: E402
+from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
+from dist_ckpt.storage.objectstore import ObjectStoreBackend
 
 
 def generation_files(backend: ObjectStoreBackend, name: str) -> list[tuple[str, int]]:

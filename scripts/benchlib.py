@@ -44,7 +44,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None
 
 
 def local_tensors(state: Any) -> list[torch.Tensor]:
-    from dist_ckpt.staging import local_tensors as staged_tensors
+    from dist_ckpt.save.staging import local_tensors as staged_tensors
 
     return staged_tensors(state)
 

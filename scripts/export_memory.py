@@ -21,7 +21,7 @@ import time
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
-from dist_ckpt.cli_export import size_arg
+from dist_ckpt.cli.export import size_arg
 
 MIB = 1 << 20
 

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ResumableSampler, TrainState
-from dist_ckpt.manifest import MANIFEST_NAME, generation_name
+from dist_ckpt.format.manifest import MANIFEST_NAME, generation_name
 from dist_ckpt.storage.base import open_backend
 
 NUM_SAMPLES = 4096

@@ -7,7 +7,7 @@ import threading
 import time
 
 from dist_ckpt import CommitError, faults
-from dist_ckpt.staging import local_tensors
+from dist_ckpt.save.staging import local_tensors
 from tests import workers
 
 DEADLINE_S = 4.0
@@ -116,7 +116,7 @@ def in_flight_bound(rank: int, world: int, root: str) -> dict:
 
 def store_keys_after_saves(rank: int, world: int, root: str) -> dict:
     """Four async saves; which per-save store keys are still present afterwards."""
-    from dist_ckpt.coordinator import _outcome_key
+    from dist_ckpt.save.coordinator import _outcome_key
 
     job = workers.build("ddp", rank, world)
     mgr = workers.manager(job, root, async_save=True, max_in_flight=1)

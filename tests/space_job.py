@@ -9,7 +9,13 @@ import sys
 
 import torch
 
-from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, InsufficientSpace, TrainState
+from dist_ckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    CommitError,
+    InsufficientSpace,
+    TrainState,
+)
 from dist_ckpt.testing import tree_digest
 
 

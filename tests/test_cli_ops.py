@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ResumableSampler, __version__
-from dist_ckpt.cli import FOOTNOTE, main
-from dist_ckpt.quarantine import REASON_NAME, REJECTED_DIR, quarantine
-from dist_ckpt.retention import change_pin, read_pins, set_pin
+from dist_ckpt.cli.main import FOOTNOTE, main
+from dist_ckpt.format.validate import Problem
+from dist_ckpt.ops.retention import change_pin, read_pins, set_pin
+from dist_ckpt.restore.quarantine import REASON_NAME, REJECTED_DIR, quarantine
 from dist_ckpt.storage.local import LocalBackend
-from dist_ckpt.validate import Problem
 from tests.local_jobs import make_state, step, two_generations
 
 GEN1 = "gen-000000000001"

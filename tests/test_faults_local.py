@@ -16,7 +16,7 @@ from dist_ckpt import (
     NotAtOptimizerBoundary,
     faults,
 )
-from dist_ckpt.cli import main as cli
+from dist_ckpt.cli.main import main as cli
 from dist_ckpt.testing import tree_digest
 from tests.local_jobs import make_state, step, two_generations
 
@@ -117,7 +117,7 @@ def test_fresh_start_and_numeric_order(tmp_path) -> None:
 
 def test_torch_version_mismatch_warns_or_raises(tmp_path) -> None:
     from dist_ckpt import TorchVersionMismatch
-    from dist_ckpt.manifest import Manifest
+    from dist_ckpt.format.manifest import Manifest
 
     root = str(tmp_path)
     two_generations(root)

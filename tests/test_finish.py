@@ -15,10 +15,10 @@ from dist_ckpt import (
     ContractMismatch,
     UntrustedGenerations,
 )
-from dist_ckpt.cli import main as cli
-from dist_ckpt.contract import digest
-from dist_ckpt.done import check_done
-from dist_ckpt.runinfo import LAUNCH_DIR_ENV, read_reports
+from dist_ckpt.cli.main import main as cli
+from dist_ckpt.ops.done import check_done
+from dist_ckpt.ops.runinfo import LAUNCH_DIR_ENV, read_reports
+from dist_ckpt.restart.contract import digest
 from dist_ckpt.storage.local import LocalBackend
 from dist_ckpt.testing import run_ranks
 from tests.local_jobs import make_state, step, two_generations

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from dist_ckpt.contract import digest
+from dist_ckpt.restart.contract import digest
 from dist_ckpt.testing import tree_digest
 from launch.options import parse
 from launch.rundir import choose_run

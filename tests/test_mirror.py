@@ -12,9 +12,9 @@ import sys
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
-from dist_ckpt.cli import main as cli
-from dist_ckpt.inventory import inventory
-from dist_ckpt.mirror import read_mirror_state
+from dist_ckpt.cli.main import main as cli
+from dist_ckpt.ops.inventory import inventory
+from dist_ckpt.save.mirror import read_mirror_state
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
 from tests.local_jobs import make_state, step
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dist_ckpt.comm import Comm
-from dist_ckpt.mirror import MirrorUploader
+from dist_ckpt.protocol.comm import Comm
+from dist_ckpt.save.mirror import MirrorUploader
 
 
 def test_followers_see_rank0_queue_as_pinned(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -10,17 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_ckpt.cadence import (
-    GB,
-    MONTH_S,
-    interval_updates,
-    lost_fraction,
-    make_plan,
-    parse_duration,
-    t_star,
-)
-from dist_ckpt.cli import main
-from dist_ckpt.manifest import (
+from dist_ckpt.cli.main import main
+from dist_ckpt.format.manifest import (
     FORMAT_VERSION,
     GLOBAL_STATE_FILE,
     MANIFEST_NAME,
@@ -28,6 +19,15 @@ from dist_ckpt.manifest import (
     Manifest,
     generation_name,
     rank_state_file,
+)
+from dist_ckpt.save.cadence import (
+    GB,
+    MONTH_S,
+    interval_updates,
+    lost_fraction,
+    make_plan,
+    parse_duration,
+    t_star,
 )
 from dist_ckpt.version import __version__
 

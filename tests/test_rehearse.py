@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
-from dist_ckpt.cli import main as cli
-from dist_ckpt.rehearse import RehearsalFailed
+from dist_ckpt.cli.main import main as cli
+from dist_ckpt.restore.rehearse import RehearsalFailed
 from dist_ckpt.testing import run_ranks
 from tests import launchlib, workers
 from tests.local_jobs import make_state, step, two_generations

@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
-import dist_ckpt.resume as resume_mod
+import dist_ckpt.restore.resume as resume_mod
 from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, faults
-from dist_ckpt.cli import main as cli
+from dist_ckpt.cli.main import main as cli
+from dist_ckpt.format.validate import read_manifest
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
-from dist_ckpt.validate import read_manifest
 from tests.local_jobs import make_state, step, two_generations
 
 

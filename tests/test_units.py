@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from dist_ckpt import CheckpointConfig, ConfigError, ResumableSampler, UnsafeNameError, codec
-from dist_ckpt.manifest import check_generation_name, check_relative_path, generation_name
-from dist_ckpt.retention import to_drop
-from dist_ckpt.shardio import hashing_writer
+from dist_ckpt import CheckpointConfig, ConfigError, ResumableSampler, UnsafeNameError
+from dist_ckpt.format.manifest import check_generation_name, check_relative_path, generation_name
+from dist_ckpt.ops.retention import to_drop
+from dist_ckpt.restart import codec
+from dist_ckpt.save.shardio import hashing_writer
 from dist_ckpt.storage.local import file_sha256
 
 

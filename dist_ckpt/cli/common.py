@@ -1,0 +1,112 @@
+"""What every ``dist-ckpt`` subcommand shares: the usage and refusal errors, warnings, sizes,
+opening a root."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from ..errors import StorageError, UnsafeNameError
+from ..format.manifest import LATEST_NAME, PENDING_PREFIX, check_generation_name, read_latest_name
+from ..format.signing import key_from_env
+from ..ops.inventory import GenerationInfo, inventory
+from ..storage.base import Backend, open_backend
+
+PROG = "dist-ckpt"
+
+
+class UsageError(Exception):
+    """A problem with the command line or the root; reported with exit status 2."""
+
+
+class Refused(Exception):
+    """A well-formed request the command declines (a valid generation to delete, a pinned one
+    to move, an unpin of what is not pinned); reported with exit status 1."""
+
+
+def warn(message: str) -> None:
+    """A problem worth knowing that does not change the exit status (stderr, text output)."""
+    print(f"{PROG}: warning: {message}", file=sys.stderr)
+
+
+def human_bytes(size: int | None) -> str:
+    if size is None:
+        return "-"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{size} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def open_root(root: str) -> Backend:
+    """Open ``root`` and check it is a readable directory."""
+    try:
+        backend = open_backend(root)
+        found = backend.exists("")
+    except (StorageError, OSError, ValueError) as exc:
+        raise UsageError(f"cannot open checkpoint root {root!r}: {exc}") from exc
+    if not found:
+        raise UsageError(f"checkpoint root {root!r} does not exist")
+    try:
+        backend.listdir("")
+    except (StorageError, OSError) as exc:
+        raise UsageError(f"checkpoint root {root!r} is not a readable directory: {exc}") from exc
+    return backend
+
+
+_PENDING_RE = re.compile(rf"^{re.escape(PENDING_PREFIX)}gen-(\d{{12}})(?:-|$)")
+
+
+def checked_generation(backend: Backend, name: str) -> str:
+    """Reject unsafe or malformed names and generations that do not exist (exit 2)."""
+    try:
+        check_generation_name(name)
+    except UnsafeNameError as exc:
+        raise UsageError(str(exc)) from exc
+    if not backend.exists(name):
+        raise UsageError(f"no generation {name!r} under {backend.root}")
+    return name
+
+
+read_latest = read_latest_name  # the CLI's name for it
+
+
+def latest_warnings(backend: Backend, latest: str | None) -> list[str]:
+    """A pointer at a generation that is gone (pruned or moved aside by hand) is worth a word:
+    restore never follows it, but scripts that read ``latest.json`` do."""
+    if latest is None or backend.exists(latest):
+        return []
+    return [f"{LATEST_NAME} points to {latest}, which does not exist under {backend.root}"]
+
+
+def update_number(info: GenerationInfo) -> int | None:
+    if info.next_update is not None:
+        return info.next_update
+    match = _PENDING_RE.match(info.name)
+    return int(match.group(1)) if match else None
+
+
+def sorted_inventory(backend: Backend) -> list[GenerationInfo]:
+    """All generations and pending directories, newest update number first."""
+    def key(info: GenerationInfo) -> int:
+        number = update_number(info)
+        return -1 if number is None else number
+
+    return sorted(inventory(backend, digests=False, key=key_from_env()), key=key, reverse=True)
+
+
+def print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)] + [row[-1]]
+        print("  ".join(cells).rstrip())
+
+
+def error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+# what quarantine() names an entry under ROOT/rejected/: <generation>-<UTC time>-<6 hex>
+QUARANTINED_ENTRY = re.compile(r"^(gen-\d{12})-\d{8}T\d{6}Z-[0-9a-f]{6}$")

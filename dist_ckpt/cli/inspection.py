@@ -1,0 +1,229 @@
+"""``dist-ckpt inspect`` and ``verify``: one generation's manifest and saved state, and
+its integrity (sizes and sha256 of every file), with one rule for the default generation."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+from ..errors import StorageError, ValidationError
+from ..format.manifest import GLOBAL_STATE_FILE, Manifest
+from ..format.signing import KEY_ENV, key_from_env
+from ..format.validate import list_generations, read_manifest, validate
+from ..ops.inventory import newest_committed
+from ..ops.retention import read_pins
+from ..restart import codec
+from ..save.mirror import read_mirror_state
+from ..storage.base import Backend, is_remote
+from .common import (
+    PROG,
+    UsageError,
+    checked_generation,
+    error,
+    human_bytes,
+    latest_warnings,
+    open_root,
+    read_latest,
+    warn,
+)
+
+
+def default_generation(backend: Backend) -> str:
+    """What ``inspect`` and ``verify`` look at without GEN: the newest committed generation
+    (structure and sizes check out), or the newest of any state when none is committed."""
+    names = list_generations(backend)
+    if not names:
+        raise UsageError(f"no generation under {backend.root}")
+    name = newest_committed(backend, key_from_env())
+    if name is None:
+        return names[0]
+    if name != names[0]:  # say so: an exit 0 must not hide that something newer is broken
+        newer = names[:names.index(name)]
+        print(f"{PROG}: note: newer {', '.join(newer)} not committed or invalid; using {name}",
+              file=sys.stderr)
+    return name
+
+
+def manifest_summary(manifest: Manifest, latest: str | None) -> list[tuple[str, str]]:
+    created = datetime.fromtimestamp(manifest.created_unix, tz=UTC).isoformat()
+    contract = ", ".join(f"{k}={v}" for k, v in sorted(manifest.contract.items())) or "(empty)"
+    mark = " (latest)" if manifest.generation == latest else ""
+    return [
+        ("generation", manifest.generation + mark),
+        ("kind", manifest.kind),
+        ("next_update", str(manifest.next_update)),
+        ("tokens_seen", str(manifest.tokens_seen)),
+        ("world_size", str(manifest.world_size)),
+        ("torch_version", manifest.torch_version),
+        ("dist_ckpt_version", manifest.dist_ckpt_version),
+        ("components", ", ".join(manifest.components) or "(none)"),
+        ("contract", contract),
+        ("contract_digest", manifest.contract_digest),
+        ("files", str(len(manifest.files))),
+        ("total_bytes", f"{manifest.total_bytes} ({human_bytes(manifest.total_bytes)})"),
+        ("save_duration_s", f"{manifest.save_duration_s:.3f}"),
+        ("created", created),
+    ]
+
+
+def read_verified(backend: Backend, name: str, manifest: Manifest, path: str) -> bytes:
+    """A small file's bytes, only if they match its manifest entry (as restore reads them):
+    the CLI parses nothing a digest has not vouched for."""
+    entry = manifest.file(path)
+    if entry is None:
+        raise ValidationError(f"{name} manifest lists no {path}", generation=name, path=path)
+    raw = backend.read_bytes(f"{name}/{manifest.location(path)}")
+    if len(raw) != entry.size or hashlib.sha256(raw).hexdigest() != entry.sha256:
+        raise ValidationError(f"{name}: {path} does not match its manifest entry (size or sha256)",
+                              generation=name, path=path)
+    return raw
+
+
+def saved_state(backend: Backend, name: str, manifest: Manifest) -> dict[str, Any]:
+    """The data position (sampler state) and the extras' keys from ``state/train_state.json``."""
+    raw = read_verified(backend, name, manifest, GLOBAL_STATE_FILE)
+    state = codec.loads(raw, what=f"{name}/{GLOBAL_STATE_FILE}")
+    extras = state.get("extras") if isinstance(state, dict) else None
+    if not isinstance(state, dict) or not isinstance(extras, dict | None):
+        raise ValidationError(f"{name}/{GLOBAL_STATE_FILE} is not a train state", generation=name,
+                              path=GLOBAL_STATE_FILE)
+    return {"data_position": state.get("data"), "extras_keys": sorted(map(str, extras or {}))}
+
+
+def tier_of(root: str, name: str) -> dict[str, Any]:
+    """Where ``name`` lives. For a local root with a mirror, only what ``mirror.json`` says
+    (the last completed upload, skipped and failed ones): inspect does not list the mirror."""
+    if is_remote(root):
+        return {"name": "object store", "mirror": None, "mirror_record": None}
+    state = read_mirror_state(root)
+    if not state.get("mirror"):
+        return {"name": "local", "mirror": None, "mirror_record": None}
+    record = ("completed" if state.get("last_completed") == name
+              else "skipped" if name in state.get("skipped", [])
+              else "failed" if name in state.get("failed", []) else "not recorded")
+    return {"name": "local", "mirror": state["mirror"], "mirror_record": record,
+            "mirror_last_completed": state.get("last_completed")}
+
+
+def tier_text(tier: dict[str, Any]) -> str:
+    record = tier["mirror_record"]
+    if record is None:
+        return tier["name"]
+    if record == "completed":
+        return f"local + mirror {tier['mirror']} (mirror.json: last completed upload)"
+    if record in ("skipped", "failed"):
+        return f"local only (mirror.json: upload to {tier['mirror']} {record})"
+    return (f"local; mirror.json does not record it as completed in {tier['mirror']} (last "
+            f"completed: {tier['mirror_last_completed'] or 'none'}; `dist-ckpt ls` asks the mirror)")
+
+
+def inspect_details(backend: Backend, root: str, name: str, manifest: Manifest,
+                    warnings: list[str]) -> tuple[dict[str, Any], str | None]:
+    """What inspect adds to the manifest; the second item is why the state file is unusable."""
+    problem = None
+    try:
+        details = saved_state(backend, name, manifest)
+    except (ValidationError, OSError) as exc:
+        details, problem = {"data_position": None, "extras_keys": []}, str(exc)
+    try:
+        details["pin"] = read_pins(backend).get(name)
+    except StorageError as exc:  # a corrupt pins.json must not hide the manifest
+        details["pin"] = None
+        warnings.append(str(exc))
+    details["tier"] = tier_of(root, name)
+    return details, problem
+
+
+def position_text(position: Any) -> str:
+    if position is None:
+        return "(no sampler state saved)"
+    if isinstance(position, dict):
+        return ", ".join(f"{key}={value}" for key, value in position.items())
+    return json.dumps(position, default=repr)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    backend = open_root(args.root)
+    name = default_generation(backend) if args.generation is None else \
+        checked_generation(backend, args.generation)
+    manifest = read_manifest(backend, name, key=key_from_env())  # ValidationError -> exit 1
+    latest = read_latest(backend)
+    warnings = latest_warnings(backend, latest)
+    details, problem = inspect_details(backend, args.root, name, manifest, warnings)
+    if args.json:
+        out = {**manifest.model_dump(mode="json"), "latest": name == latest, **details,
+               "state_error": problem, "warnings": warnings}
+        print(json.dumps(out, indent=1, default=repr))
+    else:
+        for message in warnings:
+            warn(message)
+        lines = manifest_summary(manifest, latest) + [
+            ("data_position", problem or position_text(details["data_position"])),
+            ("extras", ", ".join(details["extras_keys"]) or "(none)"),
+            ("pin", details["pin"] or "(not pinned)"),
+            ("tier", tier_text(details["tier"]))]
+        for key, value in lines:
+            print(f"{key:<18} {value}")
+    if problem is not None:  # the manifest was shown, but this generation cannot be restored
+        error(problem)
+        return 1
+    return 0
+
+
+def verify_result(backend: Backend, name: str, key: bytes | None) -> dict[str, Any]:
+    try:
+        manifest = validate(backend, name, digests=True, key=key)
+    except ValidationError as exc:
+        return {"generation": name, "ok": False, "reason": str(exc), "path": exc.path}
+    except OSError as exc:
+        return {"generation": name, "ok": False, "reason": f"unreadable: {exc}",
+                "path": getattr(exc, "filename", None)}
+    reason = f"{len(manifest.files)} files, {manifest.total_bytes} bytes, sha256 verified"
+    if key is not None:
+        reason += f", signature verified (key from {KEY_ENV})"
+    return {"generation": name, "ok": True, "reason": reason, "path": None}
+
+
+def print_verify(result: dict[str, Any]) -> None:
+    if result["ok"]:
+        print(f"{result['generation']}: OK ({result['reason']})")
+        return
+    print(f"{result['generation']}: INVALID: {result['reason']}")
+    if result["path"]:
+        print(f"  offending file: {result['path']}")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    backend = open_root(args.root)
+    if args.all:
+        return verify_all(backend, args)
+    name = default_generation(backend) if args.generation is None else \
+        checked_generation(backend, args.generation)
+    result = verify_result(backend, name, key_from_env())
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_verify(result)
+    return 0 if result["ok"] else 1
+
+
+def verify_all(backend: Backend, args: argparse.Namespace) -> int:
+    if args.generation is not None:
+        raise UsageError("give GEN or --all, not both")
+    names = list_generations(backend)
+    if not names:
+        raise UsageError(f"no generation under {backend.root}")
+    key = key_from_env()
+    results = [verify_result(backend, name, key) for name in names]
+    valid = sum(result["ok"] for result in results)
+    if args.json:
+        print(json.dumps({"ok": valid == len(results), "generations": results}, indent=1))
+    else:
+        for result in results:
+            print_verify(result)
+        print(f"{valid} of {len(results)} generation(s) valid")
+    return 0 if valid == len(results) else 1

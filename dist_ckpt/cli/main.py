@@ -1,0 +1,312 @@
+"""``dist-ckpt`` command line: the generations under a checkpoint root, and its cadence.
+
+List, inspect, verify, pin, prune, quarantine (move aside) and remove (invalid only) the
+generations under a root; plan the checkpoint cadence (``plan``).
+
+Exit codes: 0 success; 1 a generation is invalid (or its manifest unreadable) or the request
+was refused (a valid generation to ``rm``, a pinned one to ``quarantine``, ...); 2 usage errors
+(missing root, unsafe or unknown generation name, unsupported storage URL, a missing flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from .. import progress
+from ..errors import DistCkptError, StorageError, ValidationError
+from ..format.manifest import LATEST_NAME, parse_generation
+from ..format.signing import key_from_env
+from ..ops.inventory import GenerationInfo, inventory
+from ..ops.retention import prune, prune_object_store, read_pins
+from ..restore.quarantine import REASON_NAME, REJECTED_DIR
+from ..save.mirror import read_mirror_state
+from ..storage.base import is_remote, open_backend
+from ..storage.objectstore import ObjectStoreBackend
+from ..version import __version__
+from .common import (
+    PROG,
+    QUARANTINED_ENTRY,
+    Refused,
+    UsageError,
+    error,
+    human_bytes,
+    latest_warnings,
+    open_root,
+    print_table,
+    read_latest,
+    sorted_inventory,
+    update_number,
+    warn,
+)
+from .diff import add_diff_parser
+from .export import add_export_parser
+from .inspection import cmd_inspect, cmd_verify
+from .ops import cmd_pin, cmd_quarantine, cmd_rm
+from .plan import add_plan_parser
+from .rehearse import add_rehearse_parser
+
+FOOTNOTE = "ls checks sizes; `dist-ckpt verify` checks digests"
+PROGRESS_COMMANDS = frozenset({"verify", "export", "diff"})  # long work: bytes and rate
+
+
+def ls_record(info: GenerationInfo, latest: str | None, pins: dict[str, str]) -> dict[str, Any]:
+    return {"name": info.name, "next_update": update_number(info), "state": info.state,
+            "total_bytes": info.total_bytes, "latest": info.name == latest,
+            "pin": pins.get(info.name), "reason": info.reason, "path": info.path}
+
+
+def quarantined_records(root: str) -> list[dict[str, Any]]:
+    """Entries under ``ROOT/rejected/`` (local roots only), newest update number first."""
+    rejected = os.path.join(root, REJECTED_DIR)
+    if is_remote(root) or not os.path.isdir(rejected):
+        return []
+    records = []
+    for entry in sorted(os.listdir(rejected), reverse=True):  # same generation: newest move first
+        match = QUARANTINED_ENTRY.match(entry)
+        if match is None or not os.path.isdir(os.path.join(rejected, entry)):
+            continue
+        records.append({"name": entry, "generation": match.group(1),
+                        "next_update": parse_generation(match.group(1)), "state": "quarantined",
+                        "total_bytes": tree_bytes(os.path.join(rejected, entry)), "latest": False,
+                        "pin": None, "reason": first_reason_line(os.path.join(rejected, entry)),
+                        "path": f"{REJECTED_DIR}/{entry}"})
+    return sorted(records, key=lambda rec: rec["next_update"], reverse=True)
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, name))
+               for folder, _, names in os.walk(path) for name in names)
+
+
+def first_reason_line(entry_path: str) -> str:
+    try:
+        with open(os.path.join(entry_path, REASON_NAME), encoding="utf-8", errors="replace") as handle:
+            return handle.readline(1000).strip() or "(empty reason)"
+    except OSError:
+        return f"(no {REASON_NAME})"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    backend = open_root(args.root)
+    latest = read_latest(backend)
+    pins = read_pins(backend)
+    records = [ls_record(info, latest, pins) for info in sorted_inventory(backend)]
+    quarantined = quarantined_records(args.root)
+    mirror = mirror_status(args.root, records)
+    warnings = latest_warnings(backend, latest)
+    if args.json:
+        print(json.dumps({"root": backend.root, "latest": latest, "generations": records,
+                          "quarantined": quarantined, "mirror": mirror, "warnings": warnings}, indent=1))
+        return 0
+    for message in warnings:
+        warn(message)
+    if not records and not quarantined:
+        print(f"no generations under {backend.root}")
+        return 0
+    print_ls_table(records, quarantined, pins, mirror)
+    if mirror:
+        print(f"mirror {mirror['url']}: last completed remote generation "
+              f"{mirror['last_completed'] or '(none)'}")
+    if latest is not None:
+        print(f"* = {LATEST_NAME} -> {latest}")
+    else:
+        print(f"({LATEST_NAME} is missing or unreadable)")
+    print(FOOTNOTE)
+    return 0
+
+
+def print_ls_table(records: list[dict], quarantined: list[dict], pins: dict[str, str],
+                   mirror: dict | None) -> None:
+    rows = [["", "GENERATION", "UPDATE", "BYTES", "SIZE", "STATE"]
+            + (["PIN"] if pins else []) + (["MIRROR"] if mirror else []) + ["REASON"]]
+    for rec in records + quarantined:
+        update = "-" if rec["next_update"] is None else str(rec["next_update"])
+        size = "-" if rec["total_bytes"] is None else str(rec["total_bytes"])
+        # a quarantined row is named by its path: what `dist-ckpt rm` takes to delete it
+        name = rec["path"] if rec["state"] == "quarantined" else rec["name"]
+        rows.append(["*" if rec["latest"] else "", name, update, size,
+                     human_bytes(rec["total_bytes"]), rec["state"]]
+                    + ([rec["pin"] or ""] if pins else [])
+                    + ([rec.get("mirror", "")] if mirror else []) + [rec["reason"] or ""])
+    print_table(rows)
+
+
+def mirror_status(root: str, records: list[dict]) -> dict | None:
+    """For a local root with a mirror: mark each record mirrored / local-only (skipped)."""
+    if is_remote(root):
+        return None
+    state = read_mirror_state(root)
+    if not state.get("mirror"):
+        return None
+    try:
+        remote = open_backend(state["mirror"])
+        remote_committed = {i.name for i in inventory(remote, digests=False) if i.state == "committed"}
+    except (StorageError, OSError, ValueError) as exc:
+        raise UsageError(f"cannot read mirror {state['mirror']!r}: {exc}") from exc
+    skipped = set(state.get("skipped", []))
+    for rec in records:
+        if rec["name"] in remote_committed:
+            rec["mirror"] = "mirrored"
+        elif rec["state"] == "committed":
+            rec["mirror"] = "local-only (skipped)" if rec["name"] in skipped else "local-only"
+    return {"url": state["mirror"], "last_completed": state.get("last_completed"),
+            "skipped": sorted(skipped), "remote_committed": sorted(remote_committed)}
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    for flag, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1")
+    backend = open_root(args.root)
+    if isinstance(backend, ObjectStoreBackend):
+        plan = prune_object_store(backend, keep_last=args.keep_last, keep_every=args.keep_every,
+                                  key=key_from_env(), dry_run=args.dry_run)
+        removed = {"generations": plan.generations, "incomplete": plan.incomplete,
+                   "orphans": plan.orphans, "multipart_aborted": plan.multipart_aborted}
+    else:
+        if args.keep_last is None:
+            raise UsageError("a local root needs --keep-last K, e.g. --keep-last 3: the newest K "
+                             "committed generations stay (pinned ones and --keep-every milestones too)")
+        committed = [i.name for i in inventory(backend, digests=False, key=key_from_env())
+                     if i.state == "committed"]
+        removed = {"generations": prune(backend, committed, keep_last=args.keep_last,
+                                        keep_every=args.keep_every, dry_run=args.dry_run)}
+    verb = "would remove" if args.dry_run else "removed"
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, **removed}))
+    else:
+        for kind, names in removed.items():
+            if isinstance(names, list):
+                for name in names:
+                    print(f"{verb} {kind[:-1] if kind.endswith('s') else kind}: {name}")
+        if removed.get("multipart_aborted"):
+            print(f"aborted {removed['multipart_aborted']} multipart upload(s)")
+    return 0
+
+
+LS_EPILOG = f"""\
+states: committed (structure and sizes check out), invalid, pending (a save in flight or
+abandoned), quarantined (moved aside to ROOT/{REJECTED_DIR}/ by restore or `dist-ckpt quarantine`;
+local roots only; named by that path, the reason is the first line of its {REASON_NAME}).
+{FOOTNOTE}.
+
+--json prints {{"root", "latest", "generations", "quarantined", "mirror", "warnings"}}:
+quarantined entries are listed apart from the generations, each with name (its directory
+under {REJECTED_DIR}/), generation, next_update, state "quarantined", total_bytes, reason and path;
+warnings names problems that do not change the exit status, such as a {LATEST_NAME} that
+points to a missing generation (text output: on stderr).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].replace("``", ""))
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = [*add_reading_parsers(sub), *add_changing_parsers(sub)]
+    plan = add_plan_parser(sub)
+    add_root(plan)
+    for cmd in [*commands, plan]:
+        cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    add_rehearse_parser(sub)
+    add_export_parser(sub)
+    add_diff_parser(sub)
+    return parser
+
+
+def add_root(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("root", metavar="ROOT", help="checkpoint root (path or s3:// URL)")
+
+
+def add_reading_parsers(sub: Any) -> list[argparse.ArgumentParser]:
+    ls = sub.add_parser("ls", help="list generations under ROOT", epilog=LS_EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ls.set_defaults(func=cmd_ls)
+    inspect = sub.add_parser(
+        "inspect", help="summarise a generation: manifest, data position, extras, pin, tier",
+        description="--json prints the manifest plus latest, data_position, extras_keys, pin, "
+                    "tier, state_error and warnings")
+    inspect.set_defaults(func=cmd_inspect)
+    verify = sub.add_parser("verify", help="fully validate a generation (sizes and sha256)")
+    verify.set_defaults(func=cmd_verify)
+    verify.add_argument("--all", action="store_true",
+                        help="check every generation; exit 0 only if all are valid")
+    for cmd in (ls, inspect, verify):
+        add_root(cmd)
+    for cmd in (inspect, verify):
+        cmd.add_argument("generation", metavar="GEN", nargs="?",
+                         help="generation name (default: the newest committed one, else the newest)")
+    return [ls, inspect, verify]
+
+
+def add_changing_parsers(sub: Any) -> list[argparse.ArgumentParser]:
+    prune_cmd = sub.add_parser("prune", help="delete old generations and leftovers of failed uploads")
+    prune_cmd.set_defaults(func=cmd_prune)
+    prune_cmd.add_argument("--keep-last", type=int, default=None, metavar="K",
+                           help="keep the newest K committed generations (required for a local root)")
+    prune_cmd.add_argument("--keep-every", type=int, default=None, metavar="N",
+                           help="also keep milestones: update numbers that are multiples of N")
+    prune_cmd.add_argument("--dry-run", action="store_true", help="only print what would go")
+    pin = sub.add_parser("pin", help="protect a committed generation from pruning")
+    pin.set_defaults(func=cmd_pin)
+    pin.add_argument("--label", default="pinned", help="why it is kept (best, final, ...)")
+    unpin = sub.add_parser("unpin", help="let pruning delete a generation again")
+    unpin.set_defaults(func=cmd_pin)
+    quarantine_cmd = sub.add_parser(
+        "quarantine", help=f"move a generation aside to ROOT/{REJECTED_DIR}/ (local roots)",
+        description="Refuses a pinned generation and the valid one latest.json points to, unless "
+                    "--force (a pinned one is then unpinned).")
+    quarantine_cmd.set_defaults(func=cmd_quarantine)
+    quarantine_cmd.add_argument("--reason", default=None, metavar="TEXT", help=f"written to {REASON_NAME}")
+    quarantine_cmd.add_argument("--force", action="store_true", help="move a pinned or the latest one too")
+    rm = sub.add_parser(
+        "rm", help="delete a generation or quarantined entry that fails validation (local roots)",
+        description="Deletes only what fails the full check (sizes and sha256; signatures are not "
+                    "checked: another key's generation is not damaged). A valid one exits 1.")
+    rm.set_defaults(func=cmd_rm)
+    rm.add_argument("--invalid-only", action="store_true",
+                    help="required: the promise that nothing valid is deleted")
+    for cmd in (prune_cmd, pin, unpin, quarantine_cmd, rm):
+        add_root(cmd)
+    for cmd in (pin, unpin, quarantine_cmd):
+        cmd.add_argument("generation", metavar="GEN", help="generation name")
+    rm.add_argument("name", metavar="NAME",
+                    help=f"generation name, or a quarantined entry ({REJECTED_DIR}/ENTRY or ENTRY)")
+    return [prune_cmd, pin, unpin, quarantine_cmd, rm]
+
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse reports usage errors itself (status 2), --help (0)
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        error("a command is required (see --help)")
+        return 2
+    try:
+        shown = sys.stderr.isatty() and not getattr(args, "json", False)
+        with progress.bar(args.command, enabled=shown and args.command in PROGRESS_COMMANDS):
+            return int(args.func(args))
+    except UsageError as exc:
+        error(str(exc))
+        return 2
+    except Refused as exc:
+        error(str(exc))
+        return 1
+    except ValidationError as exc:
+        error(str(exc) + (f" (file {exc.path})" if exc.path else ""))
+        return 1
+    except (DistCkptError, OSError) as exc:
+        error(str(exc) or type(exc).__name__)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

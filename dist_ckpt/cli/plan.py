@@ -1,0 +1,259 @@
+"""``dist-ckpt plan``: how often to save (T* = sqrt(2 C M)), the time lost, the disk needed and
+per-tier figures, from recorded save costs and the launcher's step times (see cadence.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import asdict
+from typing import Any
+
+from ..errors import StorageError
+from ..format.manifest import Manifest
+from ..format.signing import key_from_env
+from ..ops.inventory import inventory
+from ..save.cadence import (
+    Plan,
+    Tier,
+    TierPlan,
+    make_plan,
+    median_save_cost,
+    parse_duration,
+    parse_tiers,
+    step_time_from_log,
+)
+from ..storage.base import Backend, is_remote, open_backend
+from .common import UsageError, human_bytes, open_root
+
+LAUNCH_LOG = "launch-log.jsonl"
+
+PLAN_EPILOG = """\
+defaults and where they come from:
+  --save-cost   median save_duration_s of the committed generations' manifests under ROOT
+  --step-time   sum(duration_s) / sum(updates) of launch-log.jsonl in ROOT or ROOT/../..
+                (the launcher keeps runs at LAUNCHROOT/runs/<id>/, its log at LAUNCHROOT)
+  generation    total_bytes of the newest committed generation (--generation-bytes overrides)
+
+durations take a unit: 500ms, 0.8s, 5m, 4h, 30d (no unit: seconds).
+
+--tiers FILE is a JSON file of per-tier rates (no prices are built in; they change):
+  {"tiers": [
+    {"name": "local NVMe", "read_bytes_per_s": 2e9},
+    {"name": "S3 standard", "read_bytes_per_s": 5e8, "usd_per_gb_month": 0.023,
+     "usd_per_1000_put": 0.005, "usd_per_1000_get": 0.0004}
+  ]}
+name and read_bytes_per_s (restore bandwidth) are required, each price is optional and costs
+are shown only for the prices given. GB = 2**30 bytes, a month = 365.25/12 days.
+"""
+
+
+def duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:  # ArgumentTypeError keeps our message (exit 2 via argparse)
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def byte_count_arg(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"invalid byte count {text!r}: expected e.g. 2e10 or 20000000000")
+    return int(value)
+
+
+def plan_save_cost(given: float | None, committed: list[Manifest], root: str) -> tuple[float, str]:
+    if given is not None:
+        return given, "--save-cost"
+    found = median_save_cost(m.save_duration_s for m in committed)
+    if found is None:
+        raise UsageError(f"no committed generation under {root} records a save duration; "
+                         "pass --save-cost (e.g. --save-cost 30s)")
+    return found[0], f"median of {found[1]} recorded saves"
+
+
+def launch_log_dirs(root: str) -> list[str]:
+    """ROOT itself, then ROOT's grandparent (the launcher's LAUNCHROOT for LAUNCHROOT/runs/<id>)."""
+    if is_remote(root):
+        scheme, _, path = root.partition("://")
+        parts = path.rstrip("/").split("/")
+        return [root] + ([f"{scheme}://{'/'.join(parts[:-2])}"] if len(parts) > 2 else [])
+    path = os.path.abspath(root.removeprefix("file://"))
+    return [path, os.path.dirname(os.path.dirname(path))]
+
+
+def plan_step_time(given: float | None, root: str) -> tuple[float | None, str]:
+    if given is not None:
+        return given, "--step-time"
+    for directory in launch_log_dirs(root):
+        try:
+            raw = open_backend(directory).read_bytes(LAUNCH_LOG)
+        except (StorageError, OSError, ValueError):  # absent or unreadable: try the next place
+            continue
+        found = step_time_from_log(raw.decode("utf-8", errors="replace"))
+        if found is not None:
+            return found.step_time_s, (f"{directory.rstrip('/')}/{LAUNCH_LOG}: {found.duration_s:.0f} s "
+                                       f"over {found.updates} updates in {found.launches} launch(es)")
+    return None, f"unknown: pass --step-time (or launch with the launcher, whose {LAUNCH_LOG} records it)"
+
+
+def plan_generation(given_bytes: int | None, newest: Manifest | None) -> tuple[int | None, str]:
+    if given_bytes is not None:
+        return given_bytes, "--generation-bytes"
+    if newest is None:
+        return None, "unknown: no committed generation; pass --generation-bytes"
+    return newest.total_bytes, f"newest committed generation {newest.generation}"
+
+
+def read_tiers_file(path: str | None) -> list[Tier]:
+    if path is None:
+        return []
+    try:
+        with open(path, "rb") as handle:
+            return parse_tiers(handle.read())
+    except OSError as exc:
+        raise UsageError(f"cannot read tiers file {path!r}: {exc}") from exc
+    except ValueError as exc:
+        raise UsageError(f"tiers file {path!r} is malformed: {exc}") from exc
+
+
+def build_plan(args: argparse.Namespace, backend: Backend) -> Plan:
+    committed = sorted((i.manifest for i in inventory(backend, digests=False, key=key_from_env())
+                        if i.state == "committed" and i.manifest),
+                       key=lambda manifest: manifest.next_update, reverse=True)
+    newest = committed[0] if committed else None
+    save_cost, save_cost_src = plan_save_cost(args.save_cost, committed, backend.root)
+    step_time, step_time_src = plan_step_time(args.step_time, args.root)
+    size, size_src = plan_generation(args.generation_bytes, newest)
+    sources = {
+        "save_cost_s": save_cost_src, "step_time_s": step_time_src, "generation_bytes": size_src,
+        "mtbf_s": "--mtbf" if args.mtbf is not None else "default 4h",
+        "run_length_s": "--run-length" if args.run_length is not None else "default 30d",
+        "keep_last": "--keep-last" if args.keep_last is not None else "default 3",
+        "files_per_generation": "unknown: no committed generation" if newest is None else
+        f"newest committed generation {newest.generation}: {len(newest.files)} files + manifest"}
+    try:
+        return make_plan(
+            save_cost_s=save_cost, mtbf_s=args.mtbf or 4 * 3600.0,
+            run_length_s=args.run_length or 30 * 86400.0, step_time_s=step_time,
+            generation_bytes=size, files_per_generation=None if newest is None else len(newest.files) + 1,
+            keep_last=3 if args.keep_last is None else args.keep_last, keep_every=args.keep_every,
+            tiers=read_tiers_file(args.tiers), sources=sources)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def human_seconds(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds:.1f} s ({seconds / size:.1f} {unit})"
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.3g} s"
+
+
+def plan_head_lines(plan: Plan) -> list[str]:
+    src = plan.sources
+    step = "-" if plan.step_time_s is None else f"{plan.step_time_s:.4g} s"
+    updates = f" = {plan.interval_updates} updates" if plan.interval_updates is not None else \
+        " (in updates: pass --step-time)"
+    return [
+        f"  save cost C      {human_seconds(plan.save_cost_s)}  [{src['save_cost_s']}]",
+        f"  MTBF M           {human_seconds(plan.mtbf_s)}  [{src['mtbf_s']}]",
+        f"  step time        {step}  [{src['step_time_s']}]",
+        f"  run length       {human_seconds(plan.run_length_s)}  [{src['run_length_s']}]",
+        f"interval T* = sqrt(2 C M) = {human_seconds(plan.interval_s)}{updates}",
+        f"time lost at T*  {plan.lost_fraction:.2%} (saving C/T* {plan.lost_saving_fraction:.2%} "
+        f"+ rework T*/2M {plan.lost_rework_fraction:.2%})",
+        f"over the run     {plan.saves:.0f} saves, {plan.restores:.1f} expected restores (run length / M)",
+    ]
+
+
+def milestone_line(plan: Plan) -> str:
+    if plan.keep_every is None:
+        return "0 (no --keep-every)"
+    if plan.run_updates is None:
+        return "0 counted: the run length in updates needs a step time (--step-time)"
+    return (f"{plan.milestones}: multiples of --keep-every {plan.keep_every} within the run's "
+            f"{plan.run_updates} updates (assumes a save lands on each)")
+
+
+def plan_disk_lines(plan: Plan) -> list[str]:
+    if plan.generation_bytes is None or plan.disk_bytes is None:
+        return [f"disk needed      {plan.sources['generation_bytes']}"]
+    size = human_bytes(plan.generation_bytes)
+    return [
+        f"disk needed      {human_bytes(plan.disk_bytes)} = ({plan.keep_last} kept + {plan.milestones} "
+        f"milestones) x {size} + {size} staging",
+        f"  kept           {plan.keep_last} newest generations (--keep-last) [{plan.sources['keep_last']}]",
+        f"  milestones     {milestone_line(plan)}",
+        f"  generation     {size} = {plan.generation_bytes} bytes [{plan.sources['generation_bytes']}]",
+        "  staging        one more generation: a save in flight",
+    ]
+
+
+def usd(amount: float) -> str:
+    # cents would hide small per-tier costs, so three significant digits below $10
+    if amount >= 10:
+        return f"${amount:,.2f}"
+    return f"${amount:.3g}" if amount >= 0.01 or amount == 0 else "<$0.01"
+
+
+def tier_lines(tier: TierPlan, plan: Plan) -> list[str]:
+    lines = [f"tier {tier.name!r} (reads {human_bytes(int(tier.read_bytes_per_s))}/s)"]
+    if tier.restore_s is not None and tier.gb_months is not None:
+        lines += [f"  restore one generation  {human_seconds(tier.restore_s)}",
+                  f"  stored                  {tier.gb_months:.2f} GB-months "
+                  f"(average {plan.keep_last} kept + {plan.milestones}/2 milestones)"]
+    if tier.put_requests is not None and tier.get_requests is not None:
+        files = plan.files_per_generation
+        lines += [f"  PUT requests            {tier.put_requests:.0f} "
+                  f"({plan.saves:.0f} saves x {files} files)",
+                  f"  GET requests            {tier.get_requests:.0f} "
+                  f"({plan.restores:.1f} restores x {files} files)"]
+    costs = [(label, value) for label, value in (("storage", tier.storage_usd), ("PUT", tier.put_usd),
+                                                 ("GET", tier.get_usd)) if value is not None]
+    if costs and tier.total_usd is not None:
+        parts = " + ".join(f"{usd(value)} {label}" for label, value in costs)
+        lines.append(f"  cost over the run       {parts} = {usd(tier.total_usd)}")
+    return lines
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    backend = open_root(args.root)
+    plan = build_plan(args, backend)
+    if args.json:
+        print(json.dumps({"root": backend.root, **asdict(plan)}, indent=1))
+        return 0
+    lines = [f"cadence plan for {backend.root}", *plan_head_lines(plan), *plan_disk_lines(plan)]
+    for tier in plan.tiers:
+        lines += tier_lines(tier, plan)
+    lines += [f"note: {note}" for note in plan.notes]
+    print("\n".join(lines))
+    return 0
+
+
+def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
+    plan = sub.add_parser("plan", help="how often to save, the time lost, the disk and tier costs",
+                          description="Young's checkpoint interval T* = sqrt(2 C M), the expected "
+                          "time lost at T*,\nthe disk needed under ROOT and per-tier figures.",
+                          epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.set_defaults(func=cmd_plan)
+    plan.add_argument("--mtbf", type=duration_arg, default=None, metavar="DUR",
+                      help="mean time between failures of the job (default 4h)")
+    plan.add_argument("--save-cost", type=duration_arg, default=None, metavar="DUR",
+                      help="time training stalls per save, C (default: median recorded under ROOT)")
+    plan.add_argument("--step-time", type=duration_arg, default=None, metavar="DUR",
+                      help="seconds per update (default: from the launcher's launch-log.jsonl)")
+    plan.add_argument("--run-length", type=duration_arg, default=None, metavar="DUR",
+                      help="wall time of the whole run (default 30d)")
+    plan.add_argument("--keep-last", type=int, default=None, metavar="K",
+                      help="newest generations kept by pruning (default 3)")
+    plan.add_argument("--keep-every", type=int, default=None, metavar="N",
+                      help="milestones kept: update numbers that are multiples of N")
+    plan.add_argument("--generation-bytes", type=byte_count_arg, default=None, metavar="BYTES",
+                      help="size of one generation (default: the newest committed one)")
+    plan.add_argument("--tiers", default=None, metavar="FILE", help="JSON file of per-tier rates (below)")
+    return plan

@@ -1,0 +1,69 @@
+"""``dist-ckpt rehearse ROOT [GEN] --script train.py``: run the job's own script once against a
+generation, in rehearsal mode, and report whether it survived.
+
+The script runs under torchrun with ``DIST_CKPT_ROOT=ROOT`` and ``DIST_CKPT_REHEARSE=GEN``:
+its ``CheckpointManager.restore()`` rehearses the generation (every component checked, see
+:mod:`dist_ckpt.rehearse`) into the objects the script built, the script trains one update,
+and its next ``save``/``maybe_save``/``finish`` writes nothing: the updated state's digest is
+recorded in ``ROOT/rehearsals.json`` and the workers exit 0. Local roots and object stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+from ..format.validate import list_generations
+from ..restore.rehearse import REHEARSE_ENV, read_rehearsals
+from .common import Refused, UsageError, open_root
+
+
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    backend = open_root(args.root)
+    target = args.generation or "newest"
+    if args.generation is not None and args.generation not in list_generations(backend):
+        raise UsageError(f"no generation {args.generation!r} under {backend.root}")
+    if not os.path.isfile(args.script):
+        raise UsageError(f"script not found: {args.script}")
+    before = read_rehearsals(backend)
+    env = dict(os.environ, DIST_CKPT_ROOT=args.root, **{REHEARSE_ENV: target})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(args.nproc_per_node), args.script, *shlex.split(args.script_args)]
+    completed = subprocess.run(command, env=env, check=False)
+    fresh = {name: record for name, record in read_rehearsals(backend).items()
+             if before.get(name) != record}
+    return report(args, completed.returncode, fresh)
+
+
+def report(args: argparse.Namespace, returncode: int, fresh: dict[str, dict[str, Any]]) -> int:
+    if not fresh:
+        raise Refused(f"the script exited {returncode} without rehearsing (did it call "
+                      f"CheckpointManager.restore() and then save, maybe_save or finish?)")
+    name, record = next(iter(fresh.items()))
+    if args.json:
+        print(json.dumps({"generation": name, "exit_code": returncode, **record}))
+    elif record.get("passed"):
+        print(f"{name}: rehearsal passed; state digest after {record.get('updates', '?')} "
+              f"update(s) {record.get('digest')}")
+    else:
+        print(f"{name}: rehearsal FAILED in {record.get('component')}: {record.get('reason')}")
+    return 0 if record.get("passed") and returncode == 0 else 1
+
+
+def add_rehearse_parser(sub: Any) -> argparse.ArgumentParser:
+    rehearse = sub.add_parser("rehearse", help="prove a generation restorable with the job's script",
+                              description=__doc__.splitlines()[0])
+    rehearse.set_defaults(func=cmd_rehearse)
+    rehearse.add_argument("root", metavar="ROOT", help="checkpoint root (path or s3:// URL)")
+    rehearse.add_argument("generation", metavar="GEN", nargs="?", help="default: the newest that validates")
+    rehearse.add_argument("--script", required=True, help="the training script (as given to torchrun)")
+    rehearse.add_argument("--nproc-per-node", type=int, default=1, help="ranks to rehearse with")
+    rehearse.add_argument("--json", action="store_true", help="machine-readable output")
+    rehearse.add_argument("--script-args", default="", metavar="'ARGS'",
+                          help="the script's arguments, one shell-quoted string")
+    return rehearse

@@ -1,0 +1,111 @@
+"""What a worker tells the launcher (``python -m launch``) about one start of a job.
+
+The launcher exports ``DIST_CKPT_LAUNCH_DIR``, a directory private to one start on this node.
+Each rank writes only its own ``rank-NNNNN.json`` there (atomic replace, so the launcher never
+reads a torn file): where it checkpoints, the contract digest, which generation it resumed
+from, and, when the library raises an error that no restart can cure (bad config, changed
+contract, torch version refused, no space, a signing key that rejects every generation), the
+error's name and message. The launcher reads these files after the start ends; it never parses
+logs. Outside the launcher every function here is a no-op.
+
+Call order: any rank, any time, from the main thread; ``report`` merges fields into the rank's
+file, so later calls add to earlier ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .. import logs
+from ..errors import (
+    ConfigError,
+    ContractMismatch,
+    InsufficientSpace,
+    TorchVersionMismatch,
+    UntrustedGenerations,
+)
+
+log = logs.get(__name__)
+
+LAUNCH_DIR_ENV = "DIST_CKPT_LAUNCH_DIR"
+RUN_ID_ENV = "DIST_CKPT_RUN_ID"
+RUN_DIR_ENV = "DIST_CKPT_RUN_DIR"
+MIRROR_ENV = "DIST_CKPT_MIRROR"
+REPORT_PREFIX = "rank-"
+
+# failures a restart cannot cure: the launcher stops instead of starting again
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError, ContractMismatch, TorchVersionMismatch, InsufficientSpace, UntrustedGenerations)
+
+
+def launch_dir() -> str | None:
+    return os.environ.get(LAUNCH_DIR_ENV) or None
+
+
+def under_launcher() -> bool:
+    return launch_dir() is not None
+
+
+def env_rank() -> int:
+    """This process's global rank as torchrun exported it (0 outside torchrun)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def report_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"{REPORT_PREFIX}{rank:05d}.json")
+
+
+def report(rank: int | None = None, **fields: Any) -> None:
+    """Merge ``fields`` into this rank's report; failures to write are logged, never raised
+    (a report must not turn a save or a restore into a failure)."""
+    directory = launch_dir()
+    if directory is None:
+        return
+    rank = env_rank() if rank is None else rank
+    path = report_path(directory, rank)
+    try:
+        current = read_report(path) or {}
+        current.update(fields, rank=rank)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(current, handle, default=str)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write the launcher report %s: %s", path, exc)
+
+
+def report_failure(exc: BaseException, rank: int | None = None) -> None:
+    """Record an error this rank is about to raise, marked permanent when no restart helps."""
+    report(rank, failure={"error": type(exc).__name__, "message": str(exc),
+                          "permanent": isinstance(exc, PERMANENT_ERRORS)})
+
+
+def read_report(path: str) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None when absent, unreadable or not an object."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            loaded = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def read_reports(directory: str) -> dict[int, dict[str, Any]]:
+    """Every rank report of one start on this node, by rank."""
+    reports: dict[int, dict[str, Any]] = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return reports
+    for name in sorted(names):
+        if name.startswith(REPORT_PREFIX) and name.endswith(".json"):
+            loaded = read_report(os.path.join(directory, name))
+            if loaded is not None and isinstance(loaded.get("rank"), int):
+                reports[loaded["rank"]] = loaded
+    return reports

@@ -1,0 +1,154 @@
+"""Checkpoint-side communication, kept off the training process group.
+
+Foreground collectives (agreement at ``save()``, planning, restore) run on a dedicated gloo
+group created once by :class:`Comm` (all ranks construct it together). Background work never
+runs a collective: ranks report through the c10d store, whose waits take deadlines and
+poison nothing when they time out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import logs
+
+log = logs.get(__name__)
+
+
+def current_rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Comm:
+    """Rank identity, a dedicated gloo group and a namespaced c10d store.
+
+    Call order: construct on all ranks at the same point (collective); afterwards the
+    collective helpers are called by all ranks in the same order, from the main thread only.
+    """
+
+    def __init__(self, timeout_s: float = 1800.0) -> None:
+        self.rank, self.world_size = current_rank_and_world()
+        self.distributed = self.world_size > 1 or (dist.is_available() and dist.is_initialized())
+        if self.distributed:
+            # a rank may sit in a foreground all-gather while a peer blocks on its oldest save
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            base_store = dist.distributed_c10d._get_default_store()
+        else:
+            self.group = None
+            base_store = dist.HashStore()
+        session = self.broadcast(uuid.uuid4().hex[:12])
+        self.session = session
+        self.store = dist.PrefixStore(f"dist_ckpt/{session}/", base_store)
+        self.fs_leader = 0
+        self.fs_group = list(range(self.world_size))
+        self.root_group_has_rank0 = True
+
+    def probe_shared_root(self, root: str) -> None:
+        """Find which ranks see the same ``root`` (all ranks, collective).
+
+        Each rank drops a marker file; after a barrier every rank lists the markers it sees.
+        Ranks sharing a filesystem form a group led by its lowest rank: the leader publishes
+        that group's copy of each generation. Sets ``fs_leader`` and ``root_group_has_rank0``.
+        """
+        marker = os.path.join(root, f".probe-{self.session}-{self.rank}")
+        with open(marker, "wb"):
+            pass
+        self.all_gather(None)
+        prefix = f".probe-{self.session}-"
+        visible = sorted(int(n[len(prefix):]) for n in os.listdir(root) if n.startswith(prefix))
+        self.fs_group = visible
+        self.fs_leader = visible[0]
+        self.root_group_has_rank0 = 0 in visible
+        self.all_gather(None)
+        os.unlink(marker)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.group)
+        return out
+
+    def scatter(self, objs: list[Any] | None, src: int = 0) -> Any:
+        if not self.distributed:
+            assert objs is not None
+            return objs[0]
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, objs if self.rank == src else None, src=src, group=self.group)
+        return box[0]
+
+    def store_set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def store_wait(self, keys: list[str], timeout_s: float) -> list[str]:
+        """Wait until every key exists or the deadline passes; returns the keys still missing.
+
+        Polls ``check`` instead of a blocking ``wait``: a TCPStore ``wait`` that times out
+        leaves its reply pending on the client socket and desynchronises later calls.
+        """
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        pending = list(keys)
+        interval = 0.002
+        while True:
+            pending = [k for k in pending if not self.store.check([k])]
+            if not pending or time.monotonic() >= deadline:
+                return pending
+            time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
+            interval = min(interval * 2, 0.05)
+
+    def store_get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    def publish_names(self, key: str, names: Iterable[str]) -> None:
+        """Replace ``key`` with a set of names, for :meth:`read_names` on any rank."""
+        self.store.set(key, json.dumps(sorted(names)).encode())
+
+    def read_names(self, key: str) -> frozenset[str]:
+        """The names last published under ``key``; empty when none were or the store fails
+        (logged): callers use them to keep things, so missing names keep less, never more."""
+        try:
+            if self.store.check([key]):
+                return frozenset(json.loads(self.store.get(key)))
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.warning("could not read %s from the c10d store", key)
+        return frozenset()
+
+    def close(self) -> None:
+        """Destroy the checkpoint group (local, no collective; idempotent).
+
+        The group object is released here, not at interpreter exit: freeing it joins its gloo
+        worker threads (torch releases the GIL for that), so none is left to drop a finished
+        collective during finalisation, where taking the GIL kills the thread inside a
+        noexcept destructor (std::terminate, SIGABRT). A job that destroyed the default group
+        first has shut ours down with it; then only the reference is dropped.
+        """
+        group, self.group = self.group, None
+        if group is None:
+            return
+        if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+        del group  # the last reference: the C++ group is destroyed now

@@ -1,0 +1,201 @@
+"""Restore: pick the newest generation that validates, then load it into live objects.
+
+Call order (all ranks, main thread, on the checkpoint group):
+``select_generation`` -- rank 0 lists generations and checks structure and sizes, then the
+digest check is split across ranks and the verdicts all-gathered, so every rank agrees on
+the same generation and the same rejections -- then ``load_generation``: contract and torch
+version checks, DCP load with resharding (the pickled ``.metadata`` is read only after its
+digest matched), global state, and RNG last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, StorageReader
+
+from ..errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError
+from ..format.manifest import GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
+from ..format.validate import Problem, check_digests, check_sizes, check_structure, list_generations
+from ..protocol.comm import Comm
+from ..restart import codec, rng
+from ..restart import contract as contract_mod
+from ..restart.state import TrainState
+from ..storage.base import Backend
+from ..storage.objectstore import ObjectStoreBackend
+from ..tiers.verified import VerifiedObjectReader
+
+
+@dataclass
+class RestoreResult:
+    """What ``CheckpointManager.restore()`` did. ``generation`` is None for a fresh start."""
+
+    next_update: int = 0
+    tokens_seen: int = 0
+    generation: str | None = None
+    rejected: list[Problem] = field(default_factory=list)
+    manifest: Manifest | None = None
+    contract_changes: dict[str, tuple] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    components: tuple[str, ...] = ()
+
+    @property
+    def fresh(self) -> bool:
+        return self.generation is None
+
+
+def select_generation(comm: Comm, tiers: list[Backend], *, digests: bool = True,
+                     key: bytes | None = None
+                     ) -> tuple[str | None, Manifest | None, Backend | None, list[Problem]]:
+    """The newest generation that validates in any tier (local first, then the mirror); with
+    ``key``, only signed manifests validate."""
+    rejected: list[Problem] = []
+    listings = comm.broadcast([_listing(b) for b in tiers] if comm.rank == 0 else None)
+    names = sorted(set().union(*listings), key=parse_generation, reverse=True)
+    for name in names:
+        for backend, listing in zip(tiers, listings, strict=True):
+            if name not in listing:
+                continue
+            verdict = validate_everywhere(comm, backend, name, digests=digests, key=key)
+            if isinstance(verdict, Problem):
+                verdict.tier = backend.root
+                rejected.append(verdict)
+                continue
+            return name, verdict, backend, rejected
+    return None, None, None, rejected
+
+
+def _listing(backend: Backend) -> set[str]:
+    try:
+        return set(list_generations(backend))
+    except StorageError:
+        return set()
+
+
+def validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bool,
+                         key: bytes | None) -> Manifest | Problem:
+    """Rank 0 checks structure and sizes; the digest check is split across ranks."""
+    if comm.rank == 0:
+        try:
+            checked = check_structure(backend, name, key=key)
+            check_sizes(backend, name, checked)
+            verdict: str | Problem = checked.model_dump_json()
+        except Exception as exc:  # noqa: BLE001 - any failure rejects it; peers wait on the broadcast
+            verdict = Problem(name, _reason(exc), getattr(exc, "path", None),
+                              signature=isinstance(exc, SignatureError))
+    shared = comm.broadcast(verdict if comm.rank == 0 else None)
+    if isinstance(shared, Problem):
+        return shared
+    manifest = Manifest.from_bytes(shared.encode(), generation=name)
+    problem = None
+    mine = [f.path for f in manifest.files][comm.rank :: comm.world_size]
+    try:
+        # DCP unpickles .metadata without restriction before it knows anything else: its
+        # digest is checked even when the caller turned digests off (an opt-out for trusted
+        # storage: shards' non-tensor items are unpickled without restriction too)
+        hashed = set(mine) if digests else set(mine) & ALWAYS_HASHED
+        check_digests(backend, name, manifest, hashed)
+        # the rest of this rank's share by size (a node-local copy may lack other nodes'
+        # files); a hashed file needs no size check: a missing or resized one fails its digest
+        check_sizes(backend, name, manifest.model_copy(
+            update={"files": [f for f in manifest.files if f.path in set(mine) - hashed]}))
+    except Exception as exc:  # noqa: BLE001 - reported through the all-gather, never raised alone
+        problem = Problem(name, _reason(exc), getattr(exc, "path", None))
+    problems = [p for p in comm.all_gather(problem) if p is not None]
+    return problems[0] if problems else manifest
+
+
+ALWAYS_HASHED = frozenset({"dcp/.metadata"})
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, ValidationError | OSError):
+        return str(exc)
+    return f"unexpected {type(exc).__name__}: {exc}"
+
+
+def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
+                    manifest: Manifest, components: Iterable[str], *,
+                    allow_contract_change: bool, strict_torch_version: bool,
+                    scratch_parent: str | None = None) -> RestoreResult:
+    wanted = tuple(c for c in state.components if c in set(components))
+    missing = [c for c in wanted if c not in manifest.components]
+    if missing:
+        raise ValidationError(f"{name} holds no {missing} state", generation=name)
+    result = RestoreResult(next_update=manifest.next_update, tokens_seen=manifest.tokens_seen,
+                           generation=name, manifest=manifest, components=wanted)
+    result.contract_changes = contract_mod.check(manifest.contract, state.contract,
+                                                 allow_change=allow_contract_change)
+    if manifest.torch_version != torch.__version__:
+        message = (f"{name} was saved by torch {manifest.torch_version}, this is torch "
+                   f"{torch.__version__}; DCP does not promise cross-version compatibility")
+        if strict_torch_version:
+            raise TorchVersionMismatch(message)
+        warnings.warn(message, stacklevel=3)
+        result.warnings.append(message)
+
+    template = state.tensor_state(wanted)
+    _dcp_load(comm, backend, name, manifest, template, scratch_parent)
+    state.load_tensor_state(template)
+
+    saved_global = codec.loads(_read_verified(backend, name, manifest, GLOBAL_STATE_FILE),
+                               what=f"{name}/{GLOBAL_STATE_FILE}")
+    state.load_global_state(saved_global, wanted)
+    if "rng" in wanted:  # last: constructing and loading must not consume restored streams
+        if comm.rank < manifest.world_size:
+            saved_rank = codec.loads(_read_verified(backend, name, manifest, rank_state_file(comm.rank)))
+            state.load_rank_state(saved_rank)
+        else:
+            base = codec.loads(_read_verified(backend, name, manifest, rank_state_file(0)))
+            state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
+    return result
+
+
+def _dcp_load(comm: Comm, backend: Backend, name: str, manifest: Manifest, template: dict,
+              scratch_parent: str | None) -> None:
+    """DCP load of ``template`` (all ranks); a verification failure on any rank becomes one
+    ``ValidationError`` naming each failing rank's file."""
+    reader = dcp_reader_for(backend, name, manifest, scratch_parent)
+    try:
+        if comm.distributed:
+            dcp.load(template, storage_reader=reader, process_group=comm.group)
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(template, storage_reader=reader)
+    except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
+        invalid = {rank: str(failure) for rank, (failure, _) in getattr(exc, "failures", {}).items()
+                   if isinstance(failure, ValidationError)}
+        if isinstance(reader, VerifiedObjectReader) and reader.fs.errors:
+            invalid.setdefault(comm.rank, str(reader.fs.errors[0]))
+        if not invalid:
+            raise
+        detail = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(invalid.items()))
+        raise ValidationError(f"{name} could not be loaded: {detail}", generation=name) from exc
+    finally:
+        if isinstance(reader, VerifiedObjectReader):
+            reader.cleanup()
+
+
+def dcp_reader_for(backend: Backend, name: str, manifest: Manifest,
+                   scratch_parent: str | None) -> StorageReader:
+    """The DCP reader of a validated generation: on an object store, private verified local
+    copies (what DCP reads is what was verified); on a local root, the files themselves (a
+    local root is trusted-local data)."""
+    if isinstance(backend, ObjectStoreBackend):
+        return VerifiedObjectReader(backend, name, manifest, scratch_parent)
+    return backend.dcp_reader(f"{name}/{manifest.location('dcp')}")
+
+
+def _read_verified(backend: Backend, name: str, manifest: Manifest, path: str) -> bytes:
+    """A small file's bytes, parsed only if they still match the manifest."""
+    raw = backend.read_bytes(f"{name}/{manifest.location(path)}")
+    entry = next((f for f in manifest.files if f.path == path), None)
+    if entry is None or len(raw) != entry.size or hashlib.sha256(raw).hexdigest() != entry.sha256:
+        raise ValidationError(f"{name}: {path} changed after validation", generation=name, path=path)
+    return raw

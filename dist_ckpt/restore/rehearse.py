@@ -1,0 +1,218 @@
+"""Rehearsal: prove a generation restorable into freshly built objects before trusting it.
+
+Call order (all ranks, main thread, on a manager built around *fresh* objects, typically in a
+separate job): ``CheckpointManager.rehearse(step_fn)`` picks the generation (the newest that
+validates, or the one named), then checks, naming the component that fails:
+
+1. ``contract``: the experiment contract (as restore does);
+2. ``model`` / ``optimizer``: every tensor the fresh objects expect exists in the DCP metadata
+   with the same global shape, and the checkpoint holds nothing the objects lack (optimizer
+   state paired with the same parameters);
+3. ``rng``: the saved per-rank RNG schema (sources, NumPy generator names) matches this job's;
+
+then loads it for real (``load_generation``), runs ``step_fn(state) -> loss`` once when given,
+and digests the updated tensors of every rank (all-gather). Rank 0 records the outcome in
+``ROOT/rehearsals.json``; with ``CheckpointConfig(require_rehearsal=True)`` retention keeps
+older generations until the newest committed one has passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..errors import DistCkptError, StorageError, ValidationError
+from ..format.manifest import Manifest, rank_state_file
+from ..restart import codec, rng
+from ..restart import contract as contract_mod
+from ..storage.base import Backend
+from .loader import (
+    _read_verified,
+    dcp_reader_for,
+    load_generation,
+    select_generation,
+    validate_everywhere,
+)
+
+if TYPE_CHECKING:
+    from ..manager import CheckpointManager
+
+REHEARSALS_NAME = "rehearsals.json"
+REHEARSE_ENV = "DIST_CKPT_REHEARSE"  # set by `dist-ckpt rehearse`: a generation name or "newest"
+COMPONENT_OF_PREFIX = {"model": "model", "optim": "optimizer"}
+
+
+class RehearsalFailed(DistCkptError):
+    """A generation did not survive a rehearsal; ``component`` names what failed."""
+
+    def __init__(self, generation: str, component: str, reason: str):
+        super().__init__(f"rehearsal of {generation} failed in {component}: {reason}")
+        self.generation = generation
+        self.component = component
+        self.reason = reason
+
+
+@dataclass
+class RehearsalResult:
+    generation: str
+    next_update: int
+    loss: float | None = None
+    digest: str | None = None  # sha256 over every rank's updated tensors (after step_fn)
+    rejected: list[str] = field(default_factory=list)
+
+
+def rehearse(mgr: CheckpointManager, generation: str | None,
+             step_fn: Callable[[Any], float] | None) -> RehearsalResult:
+    comm, config = mgr.comm, mgr.config
+    name, manifest, backend, rejected = _choose(mgr, generation)
+    try:
+        _check(mgr, backend, name, manifest)
+        try:
+            load_generation(comm, backend, mgr.state, name, manifest, mgr.state.components,
+                            allow_contract_change=config.allow_contract_change,
+                            strict_torch_version=config.strict_torch_version,
+                            scratch_parent=config.cache_dir)
+        except (DistCkptError, KeyError, RuntimeError) as exc:
+            raise RehearsalFailed(name, "load", f"{type(exc).__name__}: {exc}") from exc
+        result = RehearsalResult(name, manifest.next_update, rejected=[str(p) for p in rejected])
+        if step_fn is not None:
+            result.loss = float(step_fn(mgr.state))
+            result.digest = _digest(mgr)
+    except RehearsalFailed as failure:
+        _record(mgr, name, {"passed": False, "component": failure.component, "reason": failure.reason})
+        raise
+    _record(mgr, name, {"passed": True, "loss": result.loss, "digest": result.digest})
+    return result
+
+
+def _choose(mgr: CheckpointManager, generation: str | None) -> tuple[str, Manifest, Backend, list]:
+    tiers = [mgr.backend] + ([mgr.mirror] if mgr.mirror is not None else [])
+    key = mgr.config.signing_key
+    if generation is None:
+        name, manifest, backend, rejected = select_generation(mgr.comm, tiers, key=key)
+        if name is None or manifest is None or backend is None:
+            raise ValidationError(f"no generation under {mgr.config.root} validates; nothing to rehearse")
+        return name, manifest, backend, rejected
+    verdict = validate_everywhere(mgr.comm, mgr.backend, generation, digests=True, key=key)
+    if not isinstance(verdict, Manifest):
+        raise RehearsalFailed(generation, "integrity", str(verdict))
+    return generation, verdict, mgr.backend, []
+
+
+def _check(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:
+    """Every rank checks its own view; the first problem of any rank is raised everywhere."""
+    problem: tuple[str, str] | None = None
+    try:
+        _check_contract(mgr, manifest)
+        _check_tensors(mgr, backend, name, manifest)
+        _check_rng(mgr, backend, name, manifest)
+    except RehearsalFailed as failure:
+        problem = (failure.component, failure.reason)
+    problems = [p for p in mgr.comm.all_gather(problem) if p is not None]
+    if problems:
+        raise RehearsalFailed(name, *problems[0])
+
+
+def _check_contract(mgr: CheckpointManager, manifest: Manifest) -> None:
+    try:
+        contract_mod.check(manifest.contract, mgr.state.contract,
+                           allow_change=mgr.config.allow_contract_change)
+    except DistCkptError as exc:
+        raise RehearsalFailed(manifest.generation, "contract", str(exc)) from exc
+    missing = [c for c in mgr.state.components if c not in manifest.components]
+    if missing:
+        raise RehearsalFailed(manifest.generation, missing[0],
+                              f"the generation holds no {missing} state but the job has one")
+
+
+def _check_tensors(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:
+    reader = dcp_reader_for(backend, name, manifest, mgr.config.cache_dir)
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    finally:
+        getattr(reader, "cleanup", lambda: None)()
+    expected, _ = flatten_state_dict(mgr.state.tensor_state())
+    for key, value in sorted(expected.items()):
+        if not isinstance(value, torch.Tensor):
+            continue
+        component = COMPONENT_OF_PREFIX.get(key.split(".", 1)[0], "model")
+        entry = saved.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise RehearsalFailed(name, component, f"{key} is missing from the generation")
+        if tuple(entry.size) != tuple(value.shape):
+            raise RehearsalFailed(name, component, f"{key} has shape {tuple(entry.size)} in the "
+                                                   f"generation, {tuple(value.shape)} in the job")
+    extra = sorted(k for k, v in saved.items() if isinstance(v, TensorStorageMetadata) and k not in expected)
+    if extra:
+        component = COMPONENT_OF_PREFIX.get(extra[0].split(".", 1)[0], "model")
+        raise RehearsalFailed(name, component, f"the generation holds {extra[0]} (and {len(extra) - 1} "
+                                               f"more) that the job's objects do not have")
+
+
+def _check_rng(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:
+    rank = mgr.comm.rank if mgr.comm.rank < manifest.world_size else 0
+    try:
+        saved = codec.loads(_read_verified(backend, name, manifest, rank_state_file(rank)))["rng"]
+    except (DistCkptError, OSError, KeyError) as exc:
+        raise RehearsalFailed(name, "rng", f"unreadable rank state: {exc}") from exc
+    current = rng.capture(mgr.state.numpy_generators)
+    if sorted(saved) != sorted(current):
+        raise RehearsalFailed(name, "rng", f"saved sources {sorted(saved)}, the job has {sorted(current)}")
+    if sorted(saved["numpy_generators"]) != sorted(current["numpy_generators"]):
+        raise RehearsalFailed(name, "rng", f"saved NumPy generators {sorted(saved['numpy_generators'])}, "
+                                           f"the job registers {sorted(current['numpy_generators'])}")
+
+
+def _digest(mgr: CheckpointManager) -> str:
+    flat, _ = flatten_state_dict(mgr.state.tensor_state())
+    local = hashlib.sha256()
+    for key in sorted(flat):
+        value = flat[key]
+        if isinstance(value, torch.Tensor):
+            tensor = value.to_local() if hasattr(value, "to_local") else value
+            local.update(key.encode())
+            local.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    combined = hashlib.sha256("".join(mgr.comm.all_gather(local.hexdigest())).encode())
+    return combined.hexdigest()
+
+
+def read_rehearsals(backend: Backend) -> dict[str, dict[str, Any]]:
+    try:
+        loaded = json.loads(backend.read_bytes(REHEARSALS_NAME))
+    except (FileNotFoundError, StorageError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def passed(backend: Backend, generation: str) -> bool:
+    return bool(read_rehearsals(backend).get(generation, {}).get("passed"))
+
+
+def _record(mgr: CheckpointManager, name: str, outcome: dict[str, Any]) -> None:
+    if mgr.comm.rank == 0:
+        records = read_rehearsals(mgr.backend)
+        records[name] = {**outcome, "time_unix": time.time()}
+        mgr.backend.put_bytes(REHEARSALS_NAME, json.dumps(records, indent=1).encode())
+    mgr.comm.all_gather(None)  # every rank returns after the record is durable
+
+
+def script_mode() -> str | None:
+    """Under ``dist-ckpt rehearse --script``: the generation to rehearse ("newest" or a name)."""
+    return os.environ.get(REHEARSE_ENV) or None
+
+
+def end_script_rehearsal(mgr: CheckpointManager, result: RehearsalResult, next_update: int) -> None:
+    """All ranks, at the script's first save after the rehearsed restore: nothing is written;
+    the updated state's digest is recorded and the process ends successfully."""
+    _record(mgr, result.generation, {"passed": True, "loss": None, "digest": _digest(mgr),
+                                     "updates": next_update - result.next_update})
+    raise SystemExit(0)

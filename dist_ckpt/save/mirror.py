@@ -1,0 +1,274 @@
+"""Tiered durability: replicate committed local generations to an object-store mirror.
+
+Protocol (one uploader thread per rank; coordination only through the c10d store):
+1. ``enqueue`` (rank 0, after a local commit): the generation joins a bounded queue; when the
+   queue is full the oldest waiting generation is skipped (policy: keep the newest) and
+   recorded as skipped in ``mirror.json``.
+2. rank 0's uploader announces the next generation to upload as ``mirror/seq/<n>``; every
+   rank's uploader (all ranks, in sequence order) uploads and verifies its own files of that
+   generation below ``G/<data_dir>/`` and reports ``mirror/<n>/report/<rank>``.
+3. rank 0, once every rank reported within ``mirror_timeout_s``, creates the remote manifest
+   last (conditional create), moves the remote ``latest.json``, and records the generation as
+   the last completed remote one in the local ``mirror.json``. An enqueued or half-uploaded
+   generation is never recorded as durable. Rank 0 then deletes that sequence's store keys.
+
+Local retention: rank 0 keeps the set of generations it still has to upload (queued and
+active) in the store key ``mirror/pinned``; every rank's ``pending()`` reads it, so the
+leader of a node without rank 0 never prunes a generation the mirror still needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .. import logs
+from ..errors import DistCkptError
+from ..format.manifest import Manifest
+from ..ops.retention import prune_object_store, read_pins
+from ..protocol.comm import Comm
+from ..storage.local import LocalBackend, atomic_write
+from ..storage.objectstore import ObjectStoreBackend
+from ..tiers.objectstore import commit_manifest, upload_files
+from .coordinator import lower_thread_priority
+
+log = logs.get(__name__)
+MIRROR_STATE = "mirror.json"
+_STOP = "__stop__"
+PINNED_KEY = "mirror/pinned"
+
+
+@dataclass
+class MirrorStats:
+    enqueued: int = 0
+    skipped: list[str] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    max_queue: int = 0
+    max_uploading: int = 0
+
+
+def read_mirror_state(local_root: str) -> dict:
+    try:
+        with open(os.path.join(local_root, MIRROR_STATE), "rb") as handle:
+            return json.loads(handle.read())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+class MirrorUploader:
+    """One per rank; ``enqueue`` is called on rank 0 only, ``close`` on every rank."""
+
+    def __init__(self, comm: Comm, local_root: str, mirror: ObjectStoreBackend, *, queue_length: int,
+                 concurrency: int, timeout_s: float, keep_last: int | None = None,
+                 signing_key: bytes | None = None, keep_every: int | None = None) -> None:
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.signing_key = signing_key
+        self.on_settled: Callable[[], None] | None = None  # rank 0: after each upload settles
+        self.comm = comm
+        self.local_root = local_root
+        self.mirror = mirror
+        self.queue_length = queue_length
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.stats = MirrorStats()
+        self._queue: deque[tuple[str, bytes]] = deque()
+        self._cond = threading.Condition()
+        self._uploading = 0
+        self._active: str | None = None
+        self._local_done: set[str] = set()
+        self._closing = False
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="dist-ckpt-mirror")
+        self._thread.start()
+
+    # ---- rank 0 ------------------------------------------------------------------------
+    def enqueue(self, generation: str, manifest_raw: bytes) -> None:
+        with self._cond:
+            self._queue.append((generation, manifest_raw))
+            self.stats.enqueued += 1
+            while len(self._queue) > self.queue_length:
+                skipped, _ = self._queue.popleft()
+                self.stats.skipped.append(skipped)
+                log.warning("mirror behind: skipping upload of %s (keeping the newest)", skipped)
+                self._record(skipped=skipped)
+            self.stats.max_queue = max(self.stats.max_queue, len(self._queue))
+            self._publish_pinned()
+            self._cond.notify_all()
+
+    def _publish_pinned(self) -> None:
+        # caller holds self._cond; generations still to upload, for followers' retention
+        names = {g for g, _ in self._queue} | ({self._active} if self._active else set())
+        try:
+            self.comm.publish_names(PINNED_KEY, names)
+        except Exception:  # noqa: BLE001 - followers keep their last view; uploads go on
+            log.exception("could not publish the mirror's pinned generations")
+
+    # ---- all ranks ---------------------------------------------------------------------
+    def local_committed(self, generation: str) -> None:
+        """This rank's copy of ``generation`` is in place (its save job finished)."""
+        with self._cond:
+            self._local_done.add(generation)
+            self._cond.notify_all()
+
+    def _wait_local(self, generation: str) -> bool:
+        # on node-local disks a node's copy is renamed into place after rank 0 announced it
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while generation not in self._local_done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 1.0))
+            self._local_done.discard(generation)
+        return True
+
+    def pending(self) -> set[str]:
+        """Generations queued or being uploaded (by any rank): local retention keeps them."""
+        with self._cond:
+            mine = {g for g, _ in self._queue} | ({self._active} if self._active else set())
+        return mine if self.comm.rank == 0 else mine | self.comm.read_names(PINNED_KEY)
+
+    def _next(self) -> tuple[str, bytes] | None:
+        with self._cond:
+            while not self._queue and not self._closing:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            item = self._queue.popleft()
+            self._active = item[0]
+            self._publish_pinned()
+            return item
+
+    # ---- all ranks ---------------------------------------------------------------------
+    def _run(self) -> None:
+        lower_thread_priority(10)
+        while True:
+            self._seq += 1
+            seq_key = f"mirror/seq/{self._seq}"
+            if self.comm.rank == 0:
+                item = self._next()
+                announce = {"generation": _STOP} if item is None else {
+                    "generation": item[0], "manifest": item[1].decode("utf-8")}
+                self.comm.store_set(seq_key, json.dumps(announce).encode())
+            else:  # follow rank 0's sequence until it announces the stop
+                while self.comm.store_wait([seq_key], 5.0):
+                    pass
+                announce = json.loads(self.comm.store_get(seq_key))
+            if announce["generation"] == _STOP:
+                return
+            with self._cond:
+                self._active = announce["generation"]
+            try:
+                self._replicate(announce["generation"], announce["manifest"].encode("utf-8"))
+            finally:
+                with self._cond:
+                    self._active = None
+                    if self.comm.rank == 0:
+                        self._publish_pinned()
+                    self._cond.notify_all()
+
+    def _replicate(self, generation: str, manifest_raw: bytes) -> None:
+        manifest = Manifest.model_validate_json(manifest_raw)
+        data_dir = f"mirror-{self._seq}-{self.comm.session}"
+        report_prefix = f"mirror/{self._seq}/report/"
+        with self._cond:
+            self._uploading += 1
+            self.stats.max_uploading = max(self.stats.max_uploading, self._uploading)
+        try:
+            if not self._wait_local(generation):
+                raise DistCkptError(f"{generation} never completed locally on this rank")
+            mine = [f.model_dump() for f in manifest.files if f.rank == self.comm.rank]
+            upload_files(self.mirror, os.path.join(self.local_root, generation), generation, data_dir,
+                         mine, concurrency=self.concurrency)
+            report: dict = {"ok": True}
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the upload
+            report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            with self._cond:
+                self._uploading -= 1
+        self.comm.store_set(f"{report_prefix}{self.comm.rank}", json.dumps(report).encode())
+        if self.comm.rank == 0:
+            self._commit(generation, manifest, data_dir, report_prefix)
+
+    def _commit(self, generation: str, manifest: Manifest, data_dir: str, report_prefix: str) -> None:
+        keys = [f"{report_prefix}{r}" for r in range(self.comm.world_size)]
+        missing = self.comm.store_wait(keys, self.timeout_s)
+        errors = {k: "no report before mirror_timeout_s" for k in missing}
+        for key in set(keys) - set(missing):
+            report = json.loads(self.comm.store_get(key))
+            if not report["ok"]:
+                errors[key] = report["error"]
+        if not missing:  # every rank read the announcement and reported: nobody reads these again
+            try:
+                for key in keys + [f"mirror/seq/{self._seq}"]:
+                    self.comm.store.delete_key(key)
+            except Exception:  # noqa: BLE001 - a leftover key costs bytes, never correctness
+                log.warning("could not delete the store keys of mirror sequence %d", self._seq)
+        try:
+            if errors:
+                raise DistCkptError(f"mirror upload of {generation} failed: {errors}")
+            commit_manifest(self.mirror, manifest.model_copy(update={"data_dir": data_dir}),
+                            key=self.signing_key)
+            self.stats.completed.append(generation)
+            self._record(completed=manifest)
+        except Exception as exc:  # noqa: BLE001 - the mirror lags; local training goes on
+            log.error("mirror upload of %s failed: %s", generation, exc)
+            self.stats.failed[generation] = str(exc)
+            self._record(failed=generation, reason=str(exc))
+        else:
+            self._prune()
+        with self._cond:
+            self._active = None  # the settled generation no longer pins local retention
+            self._publish_pinned()
+        if self.on_settled is not None:
+            self.on_settled()
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        try:
+            # pins live in the local root, where rank 0 writes them
+            pinned = frozenset(read_pins(LocalBackend(self.local_root)))
+            prune_object_store(self.mirror, keep_last=self.keep_last, keep_every=self.keep_every,
+                               pinned=pinned, key=self.signing_key)
+        except Exception:  # noqa: BLE001 - retention must never fail an upload or training
+            log.exception("mirror retention pass failed")
+
+    def _record(self, *, completed: Manifest | None = None, skipped: str | None = None,
+                failed: str | None = None, reason: str | None = None) -> None:
+        state = read_mirror_state(self.local_root)
+        state["mirror"] = self.mirror.root
+        if completed is not None:
+            state["last_completed"] = completed.generation
+            state["last_completed_update"] = completed.next_update
+            state["completed_unix"] = time.time()
+        for key, name in (("skipped", skipped), ("failed", failed)):
+            if name is not None:
+                state[key] = (state.get(key, []) + [name])[-100:]
+        if failed is not None:
+            state["last_failure"] = {"generation": failed, "reason": reason}
+        atomic_write(os.path.join(self.local_root, MIRROR_STATE), json.dumps(state, indent=1).encode())
+
+    def drain(self, timeout_s: float) -> bool:
+        """Rank 0: wait until the queue is empty and nothing uploads; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._active:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.1))
+        return True
+
+    def close(self, timeout_s: float) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)

@@ -1,0 +1,101 @@
+"""DCP save planning with a cache keyed by the state's layout.
+
+Protocol (all ranks, main thread, on the checkpoint group):
+``layout_fingerprint`` (local) -> agreement on the fingerprints (the manager's all-gather) ->
+``SavePlanCache.prepare``: when every rank reports the cached fingerprint, the cached plan is
+reused and no collective runs; otherwise local plans are gathered to rank 0, which builds the
+global plan and metadata (DCP's dedup assigns replicated items to one rank), and the per-rank
+plans are scattered back.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
+
+from ..protocol.comm import Comm
+
+
+def layout_fingerprint(state: Any) -> str:
+    """A digest of the keys, types, shapes, dtypes and shardings of ``state`` (not values)."""
+    digest = hashlib.sha256()
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, DTensor):
+            digest.update(f"{path}|D|{tuple(value.shape)}|{value.dtype}|{value.placements}|"
+                          f"{tuple(value.to_local().shape)}\n".encode())
+        elif isinstance(value, torch.Tensor):
+            digest.update(f"{path}|T|{tuple(value.shape)}|{value.dtype}\n".encode())
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}/{key}")
+        elif isinstance(value, list | tuple):
+            digest.update(f"{path}|L{len(value)}\n".encode())
+            for index, item in enumerate(value):
+                walk(item, f"{path}/{index}")
+        else:
+            digest.update(f"{path}|O\n".encode())
+
+    walk(state, "")
+    return digest.hexdigest()
+
+
+@dataclass
+class PreparedSave:
+    planner: DefaultSavePlanner
+    plan: SavePlan
+    metadata: Metadata | None  # rank 0 only; a private copy per save
+    reused: bool
+
+
+class SavePlanCache:
+    """Caches the final per-rank plan and the global metadata for one layout."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.fingerprint: str | None = None
+        self._plan: SavePlan | None = None
+        self._metadata: Metadata | None = None
+        self.planning_rounds = 0
+        self.plan_bytes: int | None = None  # tensor bytes this rank writes under the cached plan
+
+    def clear(self) -> None:
+        """Forget the cached plan (the next ``prepare`` plans again on every rank)."""
+        self.fingerprint, self._plan, self._metadata, self.plan_bytes = None, None, None, None
+
+    def prepare(self, state: Any, fingerprint: str, all_cached: bool) -> PreparedSave:
+        """All ranks call this together; ``all_cached`` must be the agreed value."""
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, storage_meta=None, is_coordinator=self.comm.rank == 0)
+        if all_cached and self._plan is not None:
+            return PreparedSave(planner, self._plan, copy.copy(self._metadata), reused=True)
+        local_plan = planner.create_local_plan()
+        all_plans = self.comm.gather(local_plan)
+        global_plans: list[SavePlan] | None = None
+        metadata: Metadata | None = None
+        if self.comm.rank == 0:
+            assert all_plans is not None
+            global_plans, metadata = planner.create_global_plan(all_plans)
+            global_plans = [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
+                            for i, p in enumerate(global_plans)]
+        final_plan = planner.finish_plan(self.comm.scatter(global_plans))
+        self.fingerprint, self._plan, self._metadata = fingerprint, final_plan, metadata
+        self.plan_bytes = plan_bytes(final_plan)
+        self.planning_rounds += 1
+        return PreparedSave(planner, final_plan, copy.copy(metadata), reused=False)
+
+
+def plan_bytes(plan: SavePlan) -> int:
+    """Tensor bytes a per-rank plan writes (DCP dedup already removed replicated copies)."""
+    return sum(item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+               for item in plan.items if item.tensor_data is not None)

@@ -1,0 +1,98 @@
+"""DCP reads from an object store that deserialise only bytes checked against the manifest.
+
+Validation hashes every object before a generation is chosen, but DCP then downloads the
+objects again: a writer of the bucket could swap ``.metadata`` (an unrestricted pickle) or
+a shard in between. :class:`VerifiedObjectReader` closes that window. Each file DCP opens
+is downloaded once into a private local directory, hashed while it streams, compared with
+the manifest's size and sha256, and only then read (or unpickled) from that local copy.
+
+Protocol: construct per load on every rank with the generation's trusted manifest; pass it
+to ``dcp.load``; call ``cleanup()`` afterwards (the local copies are deleted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+
+from ..errors import ValidationError
+from ..format.manifest import Manifest
+from ..storage.objectstore import READ_CHUNK, ObjectStoreBackend
+
+
+class _DownloadingFileSystem(FileSystem):
+    def __init__(self, backend: ObjectStoreBackend, remote_dir: str, local_dir: str,
+                 expected: dict[str, tuple[int, str]], generation: str) -> None:
+        super().__init__()
+        self.backend = backend
+        self.remote_dir = remote_dir
+        self.local_dir = Path(local_dir)
+        self.expected = expected
+        self.generation = generation
+        self.errors: list[ValidationError] = []  # DCP may rewrap them; the caller reports these
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator:
+        if "r" not in mode or "+" in mode:
+            raise ValidationError("a verified reader never writes", generation=self.generation)
+        rel = Path(path).relative_to(self.local_dir).as_posix()
+        local = self.local_dir / rel
+        if not local.exists():
+            self._download(rel, local)
+        with open(local, "rb") as handle:
+            yield handle
+
+    def _download(self, rel: str, local: Path) -> None:
+        where = f"dcp/{rel}"
+        if rel not in self.expected:
+            raise self._fail(ValidationError(f"{self.generation}: DCP asked for {where}, which the "
+                                             "manifest does not list", generation=self.generation,
+                                             path=where))
+        size, sha256 = self.expected[rel]
+        digest, received = hashlib.sha256(), 0
+        partial = local.with_name(local.name + ".partial")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        key = self.backend._key(f"{self.remote_dir}/{rel}")
+        with self.backend.fs.open(key, "rb", block_size=READ_CHUNK) as source, open(partial, "wb") as sink:
+            while chunk := source.read(READ_CHUNK):
+                received += len(chunk)
+                if received > size:  # never store more than the manifest allows
+                    break
+                digest.update(chunk)
+                sink.write(chunk)
+        if received != size or digest.hexdigest() != sha256:
+            partial.unlink(missing_ok=True)
+            raise self._fail(ValidationError(
+                f"{self.generation}: {where} changed after validation ({received} bytes, sha256 "
+                f"{digest.hexdigest()[:12]}..., manifest says {size} bytes, {sha256[:12]}...)",
+                generation=self.generation, path=where))
+        partial.rename(local)
+
+    def _fail(self, error: ValidationError) -> ValidationError:
+        self.errors.append(error)
+        return error
+
+
+class VerifiedObjectReader(FileSystemReader):
+    """A DCP ``FileSystemReader`` over private local copies verified against ``manifest``."""
+
+    def __init__(self, backend: ObjectStoreBackend, generation: str, manifest: Manifest,
+                 scratch_parent: str | None = None) -> None:
+        if scratch_parent is not None:
+            os.makedirs(scratch_parent, exist_ok=True)
+        self.local_dir = tempfile.mkdtemp(prefix="dist_ckpt-restore-", dir=scratch_parent)
+        super().__init__(self.local_dir)
+        expected = {f.path[len("dcp/"):]: (f.size, f.sha256) for f in manifest.files
+                    if f.path.startswith("dcp/")}
+        self.fs = _DownloadingFileSystem(backend, f"{generation}/{manifest.location('dcp')}",
+                                         self.local_dir, expected, generation)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.local_dir, ignore_errors=True)
