@@ -32,42 +32,115 @@ class CheckpointConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    root: str = Field(default="", validate_default=True, description="checkpoint root: path or URL")
-    async_save: bool = False
-    max_in_flight: int = Field(default=1, ge=1, le=8)
-    in_flight_policy: Literal["block", "skip"] = "block"
-    commit_timeout_s: float = Field(default=300.0, gt=0)
-    close_timeout_s: float = Field(default=600.0, gt=0)
-    io_threads: int = Field(default=1, ge=1, le=32)
-    background_nice: int = Field(default=10, ge=0, le=19)  # CPU priority drop of background saves
-    keep_last: int | None = Field(default=None, ge=1)
-    keep_every: int | None = Field(default=None, ge=1)  # milestones kept by every tier's pruning
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    cache_dir: str | None = None  # local scratch for object-store roots (default: a temp dir)
-    # object-store URL that committed local generations replicate to (default: $DIST_CKPT_MIRROR)
-    mirror: str | None = Field(default=None, validate_default=True)
-    mirror_queue: int = Field(default=2, ge=1, le=64)  # generations waiting; older ones skipped
-    mirror_concurrency: int = Field(default=4, ge=1, le=64)  # parallel object uploads per rank
-    mirror_timeout_s: float = Field(default=1800.0, gt=0)
-    mirror_keep_last: int | None = Field(default=None, ge=1)  # retention of the mirror tier
-    # refuse a save when the root's filesystem lacks room for one more generation (+ headroom)
-    check_free_space: bool = True
-    space_headroom_bytes: int = Field(default=64 << 20, ge=0)
-    # HMAC key for manifest signatures (default: $DIST_CKPT_HMAC_KEY); with a key, saves sign
-    # and restore trusts only manifests whose signature verifies
-    hmac_key: SecretStr | None = Field(default=None, validate_default=True)
-    strict_torch_version: bool = False
-    allow_contract_change: bool = False
-    # when a signing key rejects every generation: "raise" UntrustedGenerations, or start
-    # "fresh" listing them as rejected; None = "raise" under the launcher, "fresh" otherwise
-    on_key_rejects_all: Literal["raise", "fresh"] | None = None
-    # maybe_save(): save every `save_every` updates, or "auto": T* = sqrt(2 C M) from the
-    # measured save cost C of this run and mtbf_s (save_every is then the first interval)
-    save_every: int | None = Field(default=None, ge=1)
-    cadence: Literal["fixed", "auto"] = "fixed"
-    mtbf_s: float = Field(default=4 * 3600.0, gt=0)
-    # retention deletes nothing until the newest committed generation passed a rehearsal
-    require_rehearsal: bool = False
+    root: str = Field(
+        default="", validate_default=True,
+        description="Checkpoint root: a local path (made absolute), `file://` or `s3://` URL. Required; when "
+                    f"not passed it is read from `{ROOT_ENV}`, which `python -m launch` exports.")
+    async_save: bool = Field(
+        default=False,
+        description="`save()` returns after the staging copy and the commit runs in the background; the "
+                    "default `False` saves synchronously (`save()` returns after the commit).")
+    max_in_flight: int = Field(
+        default=1, ge=1, le=8,
+        description="Asynchronous saves in flight at once (1 to 8), each holding its own staging copy of "
+                    "the state; the default allows one.")
+    in_flight_policy: Literal["block", "skip"] = Field(
+        default="block",
+        description="What `save()` does at the `max_in_flight` bound: `block` (wait for the oldest save, "
+                    "the default) or `skip` (log a warning and return None).")
+    commit_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="Deadline in seconds for every rank's report of a save; a late rank fails the "
+                    "generation (default 5 minutes).")
+    close_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="How long, in seconds, `close()` / `finish()` wait for in-flight saves and the mirror "
+                    "(default 10 minutes).")
+    io_threads: int = Field(
+        default=1, ge=1, le=32,
+        description="Writer threads per rank for a save's files (1 to 32); the default writes with one.")
+    background_nice: int = Field(
+        default=10, ge=0, le=19,
+        description="CPU priority drop (added nice value, 0 to 19) of the background save threads of "
+                    "`async_save`, so they yield the CPU to training; 0 keeps the training priority.")
+    keep_last: int | None = Field(
+        default=None, ge=1,
+        description="Retention: keep the newest K committed generations under the root (at least 2 with "
+                    "`async_save`) and delete older ones after each commit; the default `None` deletes "
+                    "nothing.")
+    keep_every: int | None = Field(
+        default=None, ge=1,
+        description="Retention milestones: generations whose update number is a multiple of N survive "
+                    "`keep_last` and `mirror_keep_last` pruning on every tier; the default `None` keeps "
+                    "no milestones.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Passed to fsspec for object-store roots and the mirror (endpoint, credentials, ...); "
+                    "by default the usual AWS environment variables apply.")
+    cache_dir: str | None = Field(
+        default=None,
+        description="Local scratch directory for object-store roots and verified downloads; the default "
+                    "`None` uses a directory under the system temp dir.")
+    mirror: str | None = Field(
+        default=None, validate_default=True,
+        description="Object-store URL (`s3://...`) that committed generations of a local root replicate "
+                    f"to. When not passed it is read from `{runinfo.MIRROR_ENV}` (exported by "
+                    "`python -m launch`); without either there is no mirror.")
+    mirror_queue: int = Field(
+        default=2, ge=1, le=64,
+        description="Committed generations waiting for upload (1 to 64); beyond it the oldest waiting one "
+                    "is skipped (the newest always goes up).")
+    mirror_concurrency: int = Field(
+        default=4, ge=1, le=64,
+        description="Parallel object uploads per rank to the mirror (1 to 64).")
+    mirror_timeout_s: float = Field(
+        default=1800.0, gt=0,
+        description="Deadline in seconds for every rank's report of a mirror upload (default 30 minutes).")
+    mirror_keep_last: int | None = Field(
+        default=None, ge=1,
+        description="Retention of the mirror tier: keep the newest K generations there (plus `keep_every` "
+                    "milestones and pins); the default `None` deletes nothing from the mirror.")
+    check_free_space: bool = Field(
+        default=True,
+        description="Refuse a save (`InsufficientSpace`) when the filesystem written to lacks room for one "
+                    "more generation plus `space_headroom_bytes`; the first save of a layout is not checked.")
+    space_headroom_bytes: int = Field(
+        default=64 << 20, ge=0,
+        description="Free space in bytes that `check_free_space` keeps beyond one generation.")
+    hmac_key: SecretStr | None = Field(
+        default=None, validate_default=True,
+        description="Manifest signing key (16+ characters, never printed): saves write an HMAC-SHA256 "
+                    "signature and restore trusts only generations whose signature verifies. When not "
+                    f"passed it is read from `{KEY_ENV}`; without either nothing is signed.")
+    strict_torch_version: bool = Field(
+        default=False,
+        description="Refuse (`TorchVersionMismatch`) a generation saved by another torch version; by "
+                    "default that only warns.")
+    allow_contract_change: bool = Field(
+        default=False,
+        description="Restore although the experiment contract changed; by default a change raises "
+                    "`ContractMismatch`.")
+    on_key_rejects_all: Literal["raise", "fresh"] | None = Field(
+        default=None,
+        description="When the signing key rejects every generation: `raise` `UntrustedGenerations`, or "
+                    "start `fresh` listing them as rejected; the default `None` raises under the launcher "
+                    "and starts fresh otherwise.")
+    save_every: int | None = Field(
+        default=None, ge=1,
+        description="`maybe_save()` interval in updates (the first interval with `cadence=\"auto\"`); with "
+                    "the default `None`, `maybe_save()` raises `ConfigError`.")
+    cadence: Literal["fixed", "auto"] = Field(
+        default="fixed",
+        description="`maybe_save()` schedule: `fixed` saves at multiples of `save_every`; `auto` every "
+                    "T* = sqrt(2 C M) from this run's measured save cost C and `mtbf_s` (needs "
+                    "`save_every`).")
+    mtbf_s: float = Field(
+        default=4 * 3600.0, gt=0,
+        description="Mean time between failures M in seconds for `cadence=\"auto\"` (default 4 hours).")
+    require_rehearsal: bool = Field(
+        default=False,
+        description="Retention deletes nothing until the newest committed generation passed `rehearse()`; "
+                    "off by default.")
 
     def __init__(self, **data: object) -> None:
         try:
@@ -144,3 +217,44 @@ class CheckpointConfig(BaseModel):
     @property
     def is_local(self) -> bool:
         return "://" not in self.root
+
+
+# the README's default column where the field's default is not the value a user gets
+_SHOWN_DEFAULTS = {
+    "root": f"`${ROOT_ENV}`",
+    "cache_dir": "temp dir",
+    "mirror": f"`${runinfo.MIRROR_ENV}`",
+    "hmac_key": f"`${KEY_ENV}`",
+    "on_key_rejects_all": 'launcher: `"raise"`, else `"fresh"`',
+}
+
+
+def _shown_default(name: str) -> str:
+    if name in _SHOWN_DEFAULTS:
+        return _SHOWN_DEFAULTS[name]
+    value = CheckpointConfig.model_fields[name].get_default(call_default_factory=True)
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    if isinstance(value, float) and value.is_integer():
+        return f"`{int(value)}`"
+    if name.endswith("_bytes") and isinstance(value, int) and not isinstance(value, bool):
+        for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value and value % size == 0:
+                return f"`{value // size} {unit}`"
+    return f"`{value!r}`"
+
+
+def config_table_markdown() -> str:
+    """The README's configuration table (field, default, meaning), one row per
+    :class:`CheckpointConfig` field in declaration order, from the fields' descriptions.
+    Regenerate the README's copy with ``python scripts/config_table.py --write``."""
+    unknown = sorted(set(_SHOWN_DEFAULTS) - set(CheckpointConfig.model_fields))
+    if unknown:
+        raise ValueError(f"shown defaults for fields CheckpointConfig lacks: {unknown}")
+    rows = ["| field | default | meaning |", "| --- | --- | --- |"]
+    for name, field in CheckpointConfig.model_fields.items():
+        if not field.description:
+            raise ValueError(f"CheckpointConfig.{name} has no description")
+        meaning = " ".join(field.description.split()).replace("|", "\\|")
+        rows.append(f"| `{name}` | {_shown_default(name)} | {meaning} |")
+    return "\n".join(rows) + "\n"

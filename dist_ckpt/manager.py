@@ -29,14 +29,14 @@ from .errors import (
     NotAtOptimizerBoundary,
     ValidationError,
 )
-from .format.manifest import MANIFEST_NAME, PENDING_PREFIX, generation_name
-from .format.validate import list_pending
+from .format.manifest import MANIFEST_NAME, generation_name
 from .ops import events, retention, runinfo
 from .ops.done import DoneRecord
 from .ops.finish import finish_run
 from .ops.inventory import GenerationInfo, inspect_generation, inventory
 from .protocol import agreement
 from .protocol.comm import Comm
+from .protocol.messages import PINS_KEY, SaveFacts, SpaceFacts
 from .restart import codec
 from .restart import contract as contract_mod
 from .restart.state import TrainState
@@ -53,16 +53,14 @@ from .save.coordinator import (
 )
 from .save.mirror import MirrorUploader
 from .save.planning import SavePlanCache, layout_fingerprint
+from .save.request import ManifestInfo
 from .save.schedule import SaveSchedule
 from .save.space import check_space, free_bytes
 from .save.staging import StagingPool
-from .storage import open_backend
-from .storage.objectstore import ObjectStoreBackend
-from .tiers.rename import PublishInfo
+from .tiers import CommitTier, TierOptions, open_tier
 from .version import __version__
 
 log = logs.get(__name__)
-PINS_KEY = "pins"
 
 
 def reports_permanent(method):
@@ -95,20 +93,20 @@ class CheckpointManager:
         self.state = state
         self.comm = Comm(timeout_s=3 * config.commit_timeout_s + 600)
         self._check_run_id()
-        self.remote = None
-        if config.is_local:
-            self.write_root = config.root
-        else:
-            self.remote = ObjectStoreBackend(config.root, config.storage_options)
-            self.write_root = config.cache_dir or os.path.join(
-                tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}")
+        self.tier: CommitTier = open_tier(config.root, TierOptions(
+            storage_options=dict(config.storage_options or {}),
+            scratch_root=config.cache_dir or os.path.join(
+                tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}")))
+        self.write_root = self.tier.local_root  # where this node's ranks write their files
         os.makedirs(self.write_root, exist_ok=True)
         if self.comm.distributed:
             self.comm.probe_shared_root(self.write_root)
+        self.tier.local_ranks = frozenset(self.comm.fs_group)
         if self.comm.rank == self.comm.fs_leader:
-            self._remove_stale_pending()
-        self.comm.all_gather(None)  # nobody writes before stale pending directories are gone
-        self.backend = self.remote if self.remote is not None else open_backend(config.root)
+            # no save of this job is in flight yet: leftovers are a crashed job's
+            self.tier.remove_leftover_attempts()
+        self.comm.barrier()  # nobody writes before stale pending directories are gone
+        self.backend = self.tier.store
         if self.comm.rank == 0:
             try:
                 # leaders of other nodes read the pins from the store (pins.json is on this node)
@@ -116,15 +114,18 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - a corrupt pins.json stops pruning, not training
                 log.exception("cannot read the pins under %s", config.root)
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-prune")
+        self.mirror_tier: CommitTier | None = None
         self.mirror = None
         self.uploader: MirrorUploader | None = None
         if config.mirror is not None:
-            self.mirror = ObjectStoreBackend(config.mirror, config.storage_options)
+            self.mirror_tier = open_tier(config.mirror, TierOptions(
+                storage_options=dict(config.storage_options or {}),
+                concurrency=config.mirror_concurrency))
+            self.mirror = self.mirror_tier.store
             self.uploader = MirrorUploader(
-                self.comm, self.write_root, self.mirror, queue_length=config.mirror_queue,
-                concurrency=config.mirror_concurrency, timeout_s=config.mirror_timeout_s,
-                keep_last=config.mirror_keep_last, signing_key=config.signing_key,
-                keep_every=config.keep_every)
+                self.comm, self.tier, self.mirror_tier, queue_length=config.mirror_queue,
+                timeout_s=config.mirror_timeout_s, signing_key=config.signing_key,
+                prune_mirror=self._prune_mirror if config.mirror_keep_last else None)
             if self.comm.rank == 0 and config.keep_last:
                 self.uploader.on_settled = lambda: self._janitor.submit(self._prune_local)
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
@@ -170,14 +171,14 @@ class CheckpointManager:
         name = generation_name(next_update)
         while True:
             agreed = self._agree(name, fingerprint)
-            self._raise_agreed_errors(sorted({g for f in agreed for g in f["errors"]}))
-            if not all(f["boundary"] for f in agreed):
+            self._raise_agreed_errors(sorted({g for f in agreed for g in f.errors}))
+            if not all(f.boundary for f in agreed):
                 self.state.check_boundary()
                 raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
             agreement.check_extras(agreed)
-            if agreed[0]["exists"] is not None:
-                raise GenerationExists(f"{name} {agreed[0]['exists']} under {self.config.root}")
-            if not any(f["busy"] for f in agreed):
+            if agreed[0].exists is not None:
+                raise GenerationExists(f"{name} {agreed[0].exists} under {self.config.root}")
+            if not any(f.busy for f in agreed):
                 break
             if self.config.in_flight_policy == "skip":
                 self.stats.skipped += 1
@@ -189,7 +190,7 @@ class CheckpointManager:
         # once the in-flight bound allows the save: waiting or skipping comes first
         check_space(agreed, self.config.space_headroom_bytes, self.write_root)
         job = self._start(name, next_update, tokens_seen, live, fingerprint,
-                          all(f["cached"] for f in agreed), agreed[0]["nonce"], started)
+                          all(f.cached for f in agreed), agreed[0].attempt_id, started)
         self.stats.last_blocking_s = job.blocking_s
         return job
 
@@ -220,20 +221,20 @@ class CheckpointManager:
             rehearsal.end_script_rehearsal(self, self._rehearsal, final_update)
         return finish_run(self, final_update, tokens_seen)
 
-    def _agree(self, name: str, fingerprint: str) -> list[dict]:
+    def _agree(self, name: str, fingerprint: str) -> list[SaveFacts]:
         """One all-gather (all ranks): what each rank knows before a save may start."""
         self._reap()
-        facts = {
-            "busy": len(self._jobs) >= self.config.max_in_flight,
-            "errors": sorted(self._unraised),
-            "boundary": self.state.at_optimizer_boundary(),
-            "cached": fingerprint == self.plans.fingerprint,
-            "space": self._space_facts(fingerprint),
-            "extras": agreement.extras_digests(self.state.extras),
-        }
-        if self.comm.rank == 0:
-            facts["exists"] = self._existing(name)
-            facts["nonce"] = f"{PENDING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        is_root = self.comm.rank == 0
+        facts = SaveFacts(
+            busy=len(self._jobs) >= self.config.max_in_flight,
+            errors=tuple(sorted(self._unraised)),
+            boundary=self.state.at_optimizer_boundary(),
+            cached=fingerprint == self.plans.fingerprint,
+            space=self._space_facts(fingerprint),
+            extras=agreement.extras_digests(self.state.extras),
+            exists=self._existing(name) if is_root else None,
+            attempt_id=uuid.uuid4().hex[:8] if is_root else None,
+        )
         return self.comm.all_gather(facts)
 
     def _existing(self, name: str) -> str | None:
@@ -248,7 +249,7 @@ class CheckpointManager:
                 f"`dist-ckpt quarantine {self.config.root} {name}` (restore() does this for "
                 f"generations newer than the one it loads)")
 
-    def _space_facts(self, fingerprint: str) -> dict | None:
+    def _space_facts(self, fingerprint: str) -> SpaceFacts | None:
         # the first save of a layout has no plan yet: it is not checked (an ENOSPC during
         # the write still fails it cleanly), later saves know exactly what each rank writes
         if not self.config.check_free_space or fingerprint != self.plans.fingerprint:
@@ -262,10 +263,10 @@ class CheckpointManager:
         # saves in flight whose files are not written yet will still take their share
         unwritten = sum(1 for job in self._jobs if not job.written)
         per_save = self.plans.plan_bytes or 0
-        return {"leader": self.comm.fs_leader, "bytes": per_save * (1 + unwritten), "free": free}
+        return SpaceFacts(leader=self.comm.fs_leader, bytes=per_save * (1 + unwritten), free=free)
 
     def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
-               fingerprint: str, all_cached: bool, nonce: str, started: float) -> SaveJob:
+               fingerprint: str, all_cached: bool, attempt_id: str, started: float) -> SaveJob:
         state = self.state
         state.next_update = next_update
         if tokens_seen is not None:
@@ -281,11 +282,11 @@ class CheckpointManager:
         is_root = self.comm.rank == 0
         request = SaveRequest(
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
-            root=self.write_root, pending_name=nonce, prepared=prepared, remote=self.remote,
-            local_ranks=frozenset(self.comm.fs_group), signing_key=self.config.signing_key,
+            attempt=self.tier.begin(name, attempt_id), prepared=prepared,
+            signing_key=self.config.signing_key,
             rank_state=codec.dumps(state.rank_state()),
             global_state=codec.dumps(state.global_state()) if is_root else None,
-            info=PublishInfo(world_size=self.comm.world_size, components=list(state.components),
+            info=ManifestInfo(world_size=self.comm.world_size, components=list(state.components),
                              contract=state.contract,
                              contract_digest=contract_mod.digest(state.contract),
                              dist_ckpt_version=__version__) if is_root else None,
@@ -341,9 +342,16 @@ class CheckpointManager:
             return
         pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
         pinned |= self.comm.read_names(PINS_KEY)
-        retention.prune(self.backend, committed, keep_last=self.config.keep_last,
-                        keep_every=self.config.keep_every,
-                        pinned=pinned)
+        retention.prune(self.tier, keep_last=self.config.keep_last,
+                        keep_every=self.config.keep_every, pinned=pinned,
+                        key=self.config.signing_key, committed=committed)
+
+    def _prune_mirror(self) -> None:
+        """Rank 0's uploader, after each completed upload; pins live in the local root."""
+        assert self.mirror_tier is not None
+        retention.prune(self.mirror_tier, keep_last=self.config.mirror_keep_last,
+                        keep_every=self.config.keep_every, key=self.config.signing_key,
+                        pinned=frozenset(retention.read_pins(self.backend)))
 
     def _committed_names(self) -> list[str]:
         return [g.name for g in self.generations() if g.state == "committed"]
@@ -489,13 +497,6 @@ class CheckpointManager:
         """Every generation under the root, newest first, with its state (no digest check;
         with a signing key, a generation whose manifest signature fails is invalid)."""
         return inventory(self.backend, digests=False, key=self.config.signing_key)
-
-    def _remove_stale_pending(self) -> None:
-        # no save of this job is in flight yet: pending directories are leftovers of a crash
-        scratch = open_backend(self.write_root)
-        for entry in list_pending(scratch):
-            log.info("removing stale pending directory %s", entry)
-            scratch.remove_tree(entry)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -28,7 +28,7 @@ def generation_files(backend: ObjectStoreBackend, name: str) -> list[tuple[str, 
 
 
 def measure(state_mib: int, repeats: int) -> dict:
-    from tests.s3 import new_bucket
+    from tests.helpers.s3 import new_bucket
 
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False)
                                   for _ in range(max(1, state_mib // 4))])
@@ -65,7 +65,7 @@ def main() -> None:
     if args.external:
         result = measure(args.state_mib, args.repeats)
     else:
-        from tests.s3 import moto_endpoint
+        from tests.helpers.s3 import moto_endpoint
 
         with moto_endpoint():
             result = measure(args.state_mib, args.repeats)

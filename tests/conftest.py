@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    from tests.s3 import moto_endpoint
+    from tests.helpers.s3 import moto_endpoint
 
     with moto_endpoint() as endpoint:
         yield endpoint
@@ -15,6 +15,6 @@ def s3_endpoint():
 
 @pytest.fixture
 def s3_root(s3_endpoint) -> str:
-    from tests.s3 import new_bucket
+    from tests.helpers.s3 import new_bucket
 
     return f"s3://{new_bucket()}/run"

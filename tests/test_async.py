@@ -8,7 +8,7 @@ import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, faults
 from dist_ckpt.testing import run_ranks
-from tests import async_workers
+from tests.helpers import async_workers
 
 DEADLINE = async_workers.DEADLINE_S
 

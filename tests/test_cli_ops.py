@@ -13,9 +13,9 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, ResumableSampler, __v
 from dist_ckpt.cli.main import FOOTNOTE, main
 from dist_ckpt.format.validate import Problem
 from dist_ckpt.ops.retention import change_pin, read_pins, set_pin
-from dist_ckpt.restore.quarantine import REASON_NAME, REJECTED_DIR, quarantine
+from dist_ckpt.tiers.quarantine import REASON_NAME, REJECTED_DIR, move_aside
 from dist_ckpt.storage.local import LocalBackend
-from tests.local_jobs import make_state, step, two_generations
+from tests.helpers.local_jobs import make_state, step, two_generations
 
 GEN1 = "gen-000000000001"
 GEN2 = "gen-000000000002"
@@ -79,7 +79,7 @@ def one_line(text: str) -> str:
 
 # ---- 1. ls shows quarantined generations ---------------------------------------------------
 def test_ls_shows_quarantined_generations(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    moved = quarantine(str(root), Problem(GEN1, "shard damaged\nsecond line", SHARD))
+    moved = move_aside(str(root), Problem(GEN1, "shard damaged\nsecond line", SHARD))
     assert moved is not None
     entry = os.path.basename(moved)
     code, out, _ = run(capsys, "ls", str(root))
@@ -190,8 +190,8 @@ def test_rm_unpins_what_it_deletes(root: Path, capsys: pytest.CaptureFixture[str
 
 def test_rm_quarantined_entries(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     truncate(root / GEN2 / SHARD)
-    damaged = os.path.basename(quarantine(str(root), Problem(GEN2, "truncated shard")) or "")
-    valid = os.path.basename(quarantine(str(root), Problem(GEN1, "operator")) or "")
+    damaged = os.path.basename(move_aside(str(root), Problem(GEN2, "truncated shard")) or "")
+    valid = os.path.basename(move_aside(str(root), Problem(GEN1, "operator")) or "")
     code, _, err = run(capsys, "rm", str(root), f"{REJECTED_DIR}/{valid}", "--invalid-only")
     assert code == 1 and "is valid" in err and (root / REJECTED_DIR / valid).is_dir()
     code, out, _ = run(capsys, "rm", str(root), damaged, "--invalid-only")

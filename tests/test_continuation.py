@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_ckpt.testing import run_ranks
-from tests import workers
+from tests.helpers import workers
 
 STEPS = 8
 

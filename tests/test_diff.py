@@ -14,7 +14,7 @@ from dist_ckpt.cli.main import main as dist_ckpt_main
 from dist_ckpt.ops.diff import COMPONENTS, compare_tensors, diff
 from dist_ckpt.restart.state import ALL_COMPONENTS
 from dist_ckpt.testing import run_ranks
-from tests.workers import BATCH, build, manager, train_step
+from tests.helpers.workers import BATCH, build, manager, train_step
 
 GEN3, GEN4 = "gen-000000000003", "gen-000000000004"
 ROOTS = ("full", "no_rng", "extra_batch")

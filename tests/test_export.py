@@ -17,8 +17,7 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
 from dist_ckpt.cli import main as cli
 from dist_ckpt.ops.export import INDEX_NAME, RELEASE_NAME, export_generation
 from dist_ckpt.testing import run_ranks
-
-from . import workers
+from tests.helpers import workers
 
 GEN = "gen-000000000003"
 

@@ -18,7 +18,7 @@ from dist_ckpt import (
 )
 from dist_ckpt.cli.main import main as cli
 from dist_ckpt.testing import tree_digest
-from tests.local_jobs import make_state, step, two_generations
+from tests.helpers.local_jobs import make_state, step, two_generations
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bitflip"])

@@ -21,7 +21,7 @@ from dist_ckpt.ops.runinfo import LAUNCH_DIR_ENV, read_reports
 from dist_ckpt.restart.contract import digest
 from dist_ckpt.storage.local import LocalBackend
 from dist_ckpt.testing import run_ranks
-from tests.local_jobs import make_state, step, two_generations
+from tests.helpers.local_jobs import make_state, step, two_generations
 
 KEY = "job-secret-0123456789abcdef"
 

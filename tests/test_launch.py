@@ -18,11 +18,11 @@ from dist_ckpt.restart.contract import digest
 from dist_ckpt.testing import tree_digest
 from launch.options import parse
 from launch.rundir import choose_run
-from tests import launchlib
-from tests.launchlib import launch, read_log, run_dir
+from tests.helpers import launchlib
+from tests.helpers.launchlib import launch, read_log, run_dir
 
 pytestmark = pytest.mark.timeout(600)
-CRASH_JOB = os.path.join(launchlib.REPO, "tests", "crash_job.py")
+CRASH_JOB = os.path.join(launchlib.REPO, "tests", "helpers", "crash_job.py")
 
 
 def test_sigkilled_worker_restarts_and_finishes_bitwise(tmp_path) -> None:

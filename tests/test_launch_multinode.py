@@ -17,8 +17,8 @@ import subprocess
 import pytest
 
 from dist_ckpt.testing import free_port
-from tests import launchlib
-from tests.launchlib import read_log
+from tests.helpers import launchlib
+from tests.helpers.launchlib import read_log
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,7 +11,7 @@ import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, GenerationExists, RankMismatch
 from dist_ckpt.testing import run_ranks
-from tests.local_jobs import make_state, step, two_generations
+from tests.helpers.local_jobs import make_state, step, two_generations
 
 
 def test_commit_and_restore_each_log_one_line(tmp_path, caplog: pytest.LogCaptureFixture) -> None:

@@ -16,7 +16,7 @@ from dist_ckpt.cli.main import main as cli
 from dist_ckpt.ops.inventory import inventory
 from dist_ckpt.save.mirror import read_mirror_state
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
-from tests.local_jobs import make_state, step
+from tests.helpers.local_jobs import make_state, step
 
 FILES_PER_GENERATION = 4  # one shard, .metadata, train_state.json, rank-00000.json
 
@@ -24,7 +24,8 @@ FILES_PER_GENERATION = 4  # one shard, .metadata, train_state.json, rank-00000.j
 def run_job(root: str, mirror: str, updates: list[int],
             faults: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, DIST_CKPT_FAULTS=json.dumps(faults or {}))
-    return subprocess.run([sys.executable, "-m", "tests.mirror_job", root, mirror, *map(str, updates)],
+    return subprocess.run([sys.executable, "-m", "tests.helpers.mirror_job", root, mirror,
+                           *map(str, updates)],
                           env=env, capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(__file__)))
 

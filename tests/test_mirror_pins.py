@@ -9,6 +9,7 @@ import pytest
 
 from dist_ckpt.protocol.comm import Comm
 from dist_ckpt.save.mirror import MirrorUploader
+from dist_ckpt.tiers.rename import RenameTier
 
 
 def test_followers_see_rank0_queue_as_pinned(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -25,8 +26,9 @@ def test_followers_see_rank0_queue_as_pinned(monkeypatch: pytest.MonkeyPatch, tm
     rank1.store = rank0.store  # one c10d store, two ranks
     for rank, comm in enumerate((rank0, rank1)):
         comm.rank, comm.world_size = rank, 2
-    mirror = SimpleNamespace(root="memory://mirror")
-    uploaders = [MirrorUploader(comm, str(tmp_path), mirror, queue_length=2, concurrency=1,  # type: ignore[arg-type]
+    local = RenameTier(str(tmp_path))
+    mirror = SimpleNamespace(url="memory://mirror")
+    uploaders = [MirrorUploader(comm, local, mirror, queue_length=2,  # type: ignore[arg-type]
                                 timeout_s=30) for comm in (rank0, rank1)]
     try:
         uploaders[0].enqueue("gen-000000000001", b"{}")

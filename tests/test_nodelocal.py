@@ -27,7 +27,7 @@ def run_two_nodes(base: str, mirror: str, phase: str) -> list[dict]:
         os.makedirs(disk, exist_ok=True)
         torchrun = (f"{sys.executable} -m torch.distributed.run --nnodes 2 --node-rank {node} "
                     f"--nproc-per-node 1 --master-addr 127.0.0.1 --master-port {port} "
-                    f"tests/nodelocal_job.py {mount_point} {mirror} {reference} {phase}")
+                    f"tests/helpers/nodelocal_job.py {mount_point} {mirror} {reference} {phase}")
         script = f"mount --bind {disk} {mount_point} && exec {torchrun}"
         env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=env,

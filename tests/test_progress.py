@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dist_ckpt import progress
 from dist_ckpt.cli.main import main as cli
-from tests.local_jobs import two_generations
+from tests.helpers.local_jobs import two_generations
 
 
 def test_bar_counts_bytes_only_when_enabled(capsys) -> None:

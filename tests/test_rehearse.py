@@ -15,8 +15,8 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
 from dist_ckpt.cli.main import main as cli
 from dist_ckpt.restore.rehearse import RehearsalFailed
 from dist_ckpt.testing import run_ranks
-from tests import launchlib, workers
-from tests.local_jobs import make_state, step, two_generations
+from tests.helpers import launchlib, workers
+from tests.helpers.local_jobs import make_state, step, two_generations
 
 
 def one_step(state: TrainState) -> float:

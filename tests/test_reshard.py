@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dist_ckpt.testing import run_ranks
-from tests import workers
-from tests.workers import check_restart
+from tests.helpers import workers
+from tests.helpers.workers import check_restart
 
 STEPS = 6
 

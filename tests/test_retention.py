@@ -9,7 +9,7 @@ import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ValidationError
 from dist_ckpt.cli.main import main as cli
-from tests.local_jobs import make_state, step
+from tests.helpers.local_jobs import make_state, step
 
 
 def committed(root: str) -> list[int]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dist_ckpt.cli.main import main as cli
 from dist_ckpt.testing import run_ranks
-from tests import workers
-from tests.workers import check_restart
+from tests.helpers import workers
+from tests.helpers.workers import check_restart
 
 
 def test_fsdp_round_trip_through_s3_two_to_three(s3_root: str) -> None:

@@ -12,7 +12,7 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, faults
 from dist_ckpt.cli.main import main as cli
 from dist_ckpt.format.validate import read_manifest
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
-from tests.local_jobs import make_state, step, two_generations
+from tests.helpers.local_jobs import make_state, step, two_generations
 
 
 def test_s3_round_trip_and_cli(s3_root: str, tmp_path) -> None:

@@ -15,7 +15,8 @@ def test_full_disk_refuses_then_fails_cleanly(tmp_path) -> None:
     root = str(tmp_path / "ckpt")
     os.makedirs(root)
     # a private mount namespace: the 3 MiB tmpfs vanishes with the process
-    script = f"mount -t tmpfs -o size=3m tmpfs {root} && exec {sys.executable} tests/space_job.py {root}"
+    script = (f"mount -t tmpfs -o size=3m tmpfs {root} && "
+              f"exec {sys.executable} tests/helpers/space_job.py {root}")
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)

@@ -1,8 +1,5 @@
-"""The ``dist-ckpt`` command line: one module per group of subcommands.
+"""The ``dist-ckpt`` command line (``dist_ckpt.cli.main:main``): one module per group of
+subcommands.
 
 The top layer: may import anything in ``dist_ckpt``; nothing imports it.
 """
-
-from .main import main
-
-__all__ = ["main"]

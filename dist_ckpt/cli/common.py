@@ -10,7 +10,8 @@ from ..errors import StorageError, UnsafeNameError
 from ..format.manifest import LATEST_NAME, PENDING_PREFIX, check_generation_name, read_latest_name
 from ..format.signing import key_from_env
 from ..ops.inventory import GenerationInfo, inventory
-from ..storage.base import Backend, open_backend
+from ..storage.base import Backend
+from ..tiers import CommitTier, open_tier
 
 PROG = "dist-ckpt"
 
@@ -42,8 +43,14 @@ def human_bytes(size: int | None) -> str:
 
 def open_root(root: str) -> Backend:
     """Open ``root`` and check it is a readable directory."""
+    return open_root_tier(root).store
+
+
+def open_root_tier(root: str) -> CommitTier:
+    """The commit tier at ``root``, checked to be a readable directory."""
     try:
-        backend = open_backend(root)
+        tier = open_tier(root)
+        backend = tier.store
         found = backend.exists("")
     except (StorageError, OSError, ValueError) as exc:
         raise UsageError(f"cannot open checkpoint root {root!r}: {exc}") from exc
@@ -53,7 +60,7 @@ def open_root(root: str) -> Backend:
         backend.listdir("")
     except (StorageError, OSError) as exc:
         raise UsageError(f"checkpoint root {root!r} is not a readable directory: {exc}") from exc
-    return backend
+    return tier
 
 
 _PENDING_RE = re.compile(rf"^{re.escape(PENDING_PREFIX)}gen-(\d{{12}})(?:-|$)")

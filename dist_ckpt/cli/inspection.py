@@ -4,7 +4,6 @@ its integrity (sizes and sha256 of every file), with one rule for the default ge
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from datetime import UTC, datetime
@@ -13,12 +12,13 @@ from typing import Any
 from ..errors import StorageError, ValidationError
 from ..format.manifest import GLOBAL_STATE_FILE, Manifest
 from ..format.signing import KEY_ENV, key_from_env
-from ..format.validate import list_generations, read_manifest, validate
+from ..format.validate import list_generations, read_manifest, read_verified, validate
 from ..ops.inventory import newest_committed
 from ..ops.retention import read_pins
 from ..restart import codec
 from ..save.mirror import read_mirror_state
-from ..storage.base import Backend, is_remote
+from ..storage.base import Backend
+from ..tiers import CommitTier
 from .common import (
     PROG,
     UsageError,
@@ -27,6 +27,7 @@ from .common import (
     human_bytes,
     latest_warnings,
     open_root,
+    open_root_tier,
     read_latest,
     warn,
 )
@@ -70,19 +71,6 @@ def manifest_summary(manifest: Manifest, latest: str | None) -> list[tuple[str, 
     ]
 
 
-def read_verified(backend: Backend, name: str, manifest: Manifest, path: str) -> bytes:
-    """A small file's bytes, only if they match its manifest entry (as restore reads them):
-    the CLI parses nothing a digest has not vouched for."""
-    entry = manifest.file(path)
-    if entry is None:
-        raise ValidationError(f"{name} manifest lists no {path}", generation=name, path=path)
-    raw = backend.read_bytes(f"{name}/{manifest.location(path)}")
-    if len(raw) != entry.size or hashlib.sha256(raw).hexdigest() != entry.sha256:
-        raise ValidationError(f"{name}: {path} does not match its manifest entry (size or sha256)",
-                              generation=name, path=path)
-    return raw
-
-
 def saved_state(backend: Backend, name: str, manifest: Manifest) -> dict[str, Any]:
     """The data position (sampler state) and the extras' keys from ``state/train_state.json``."""
     raw = read_verified(backend, name, manifest, GLOBAL_STATE_FILE)
@@ -94,18 +82,16 @@ def saved_state(backend: Backend, name: str, manifest: Manifest) -> dict[str, An
     return {"data_position": state.get("data"), "extras_keys": sorted(map(str, extras or {}))}
 
 
-def tier_of(root: str, name: str) -> dict[str, Any]:
-    """Where ``name`` lives. For a local root with a mirror, only what ``mirror.json`` says
-    (the last completed upload, skipped and failed ones): inspect does not list the mirror."""
-    if is_remote(root):
-        return {"name": "object store", "mirror": None, "mirror_record": None}
-    state = read_mirror_state(root)
+def tier_of(tier: CommitTier, name: str) -> dict[str, Any]:
+    """Where ``name`` lives. For a root with a mirror, only what ``mirror.json`` says (the
+    last completed upload, skipped and failed ones): inspect does not list the mirror."""
+    state = read_mirror_state(tier.store)
     if not state.get("mirror"):
-        return {"name": "local", "mirror": None, "mirror_record": None}
+        return {"name": tier.kind, "mirror": None, "mirror_record": None}
     record = ("completed" if state.get("last_completed") == name
               else "skipped" if name in state.get("skipped", [])
               else "failed" if name in state.get("failed", []) else "not recorded")
-    return {"name": "local", "mirror": state["mirror"], "mirror_record": record,
+    return {"name": tier.kind, "mirror": state["mirror"], "mirror_record": record,
             "mirror_last_completed": state.get("last_completed")}
 
 
@@ -121,9 +107,10 @@ def tier_text(tier: dict[str, Any]) -> str:
             f"completed: {tier['mirror_last_completed'] or 'none'}; `dist-ckpt ls` asks the mirror)")
 
 
-def inspect_details(backend: Backend, root: str, name: str, manifest: Manifest,
+def inspect_details(tier: CommitTier, name: str, manifest: Manifest,
                     warnings: list[str]) -> tuple[dict[str, Any], str | None]:
     """What inspect adds to the manifest; the second item is why the state file is unusable."""
+    backend = tier.store
     problem = None
     try:
         details = saved_state(backend, name, manifest)
@@ -134,7 +121,7 @@ def inspect_details(backend: Backend, root: str, name: str, manifest: Manifest,
     except StorageError as exc:  # a corrupt pins.json must not hide the manifest
         details["pin"] = None
         warnings.append(str(exc))
-    details["tier"] = tier_of(root, name)
+    details["tier"] = tier_of(tier, name)
     return details, problem
 
 
@@ -147,13 +134,14 @@ def position_text(position: Any) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    backend = open_root(args.root)
+    tier = open_root_tier(args.root)
+    backend = tier.store
     name = default_generation(backend) if args.generation is None else \
         checked_generation(backend, args.generation)
     manifest = read_manifest(backend, name, key=key_from_env())  # ValidationError -> exit 1
     latest = read_latest(backend)
     warnings = latest_warnings(backend, latest)
-    details, problem = inspect_details(backend, args.root, name, manifest, warnings)
+    details, problem = inspect_details(tier, name, manifest, warnings)
     if args.json:
         out = {**manifest.model_dump(mode="json"), "latest": name == latest, **details,
                "state_error": problem, "warnings": warnings}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -21,11 +20,10 @@ from ..errors import DistCkptError, StorageError, ValidationError
 from ..format.manifest import LATEST_NAME, parse_generation
 from ..format.signing import key_from_env
 from ..ops.inventory import GenerationInfo, inventory
-from ..ops.retention import prune, prune_object_store, read_pins
-from ..restore.quarantine import REASON_NAME, REJECTED_DIR
+from ..ops.retention import prune, read_pins
 from ..save.mirror import read_mirror_state
-from ..storage.base import is_remote, open_backend
-from ..storage.objectstore import ObjectStoreBackend
+from ..storage.base import StoreReader, open_store
+from ..tiers.quarantine import REASON_NAME, REJECTED_DIR
 from ..version import __version__
 from .common import (
     PROG,
@@ -36,6 +34,7 @@ from .common import (
     human_bytes,
     latest_warnings,
     open_root,
+    open_root_tier,
     print_table,
     read_latest,
     sorted_inventory,
@@ -59,35 +58,40 @@ def ls_record(info: GenerationInfo, latest: str | None, pins: dict[str, str]) ->
             "pin": pins.get(info.name), "reason": info.reason, "path": info.path}
 
 
-def quarantined_records(root: str) -> list[dict[str, Any]]:
-    """Entries under ``ROOT/rejected/`` (local roots only), newest update number first."""
-    rejected = os.path.join(root, REJECTED_DIR)
-    if is_remote(root) or not os.path.isdir(rejected):
-        return []
+def quarantined_records(backend: StoreReader) -> list[dict[str, Any]]:
+    """Entries under ``ROOT/rejected/`` (tiers that keep rejected generations), newest update
+    number first."""
+    try:
+        entries = backend.listdir(REJECTED_DIR) if backend.exists(REJECTED_DIR) else []
+    except (StorageError, OSError):
+        entries = []
     records = []
-    for entry in sorted(os.listdir(rejected), reverse=True):  # same generation: newest move first
+    for entry in sorted(entries, reverse=True):  # same generation: newest move first
         match = QUARANTINED_ENTRY.match(entry)
-        if match is None or not os.path.isdir(os.path.join(rejected, entry)):
+        rel = f"{REJECTED_DIR}/{entry}"
+        if match is None or not _is_directory(backend, rel):
             continue
         records.append({"name": entry, "generation": match.group(1),
                         "next_update": parse_generation(match.group(1)), "state": "quarantined",
-                        "total_bytes": tree_bytes(os.path.join(rejected, entry)), "latest": False,
-                        "pin": None, "reason": first_reason_line(os.path.join(rejected, entry)),
-                        "path": f"{REJECTED_DIR}/{entry}"})
+                        "total_bytes": backend.tree_size(rel), "latest": False,
+                        "pin": None, "reason": first_reason_line(backend, rel), "path": rel})
     return sorted(records, key=lambda rec: rec["next_update"], reverse=True)
 
 
-def tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(folder, name))
-               for folder, _, names in os.walk(path) for name in names)
-
-
-def first_reason_line(entry_path: str) -> str:
+def _is_directory(backend: StoreReader, rel: str) -> bool:
     try:
-        with open(os.path.join(entry_path, REASON_NAME), encoding="utf-8", errors="replace") as handle:
-            return handle.readline(1000).strip() or "(empty reason)"
-    except OSError:
+        backend.listdir(rel)
+    except (StorageError, OSError):
+        return False
+    return True
+
+
+def first_reason_line(backend: StoreReader, entry: str) -> str:
+    try:
+        text = backend.read_bytes(f"{entry}/{REASON_NAME}")[:1000].decode("utf-8", errors="replace")
+    except (FileNotFoundError, StorageError, OSError):
         return f"(no {REASON_NAME})"
+    return text.splitlines()[0].strip() if text.strip() else "(empty reason)"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -95,8 +99,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     latest = read_latest(backend)
     pins = read_pins(backend)
     records = [ls_record(info, latest, pins) for info in sorted_inventory(backend)]
-    quarantined = quarantined_records(args.root)
-    mirror = mirror_status(args.root, records)
+    quarantined = quarantined_records(backend)
+    mirror = mirror_status(backend, records)
     warnings = latest_warnings(backend, latest)
     if args.json:
         print(json.dumps({"root": backend.root, "latest": latest, "generations": records,
@@ -135,15 +139,13 @@ def print_ls_table(records: list[dict], quarantined: list[dict], pins: dict[str,
     print_table(rows)
 
 
-def mirror_status(root: str, records: list[dict]) -> dict | None:
-    """For a local root with a mirror: mark each record mirrored / local-only (skipped)."""
-    if is_remote(root):
-        return None
-    state = read_mirror_state(root)
+def mirror_status(backend: StoreReader, records: list[dict]) -> dict | None:
+    """For a root with a mirror: mark each record mirrored / local-only (skipped)."""
+    state = read_mirror_state(backend)
     if not state.get("mirror"):
         return None
     try:
-        remote = open_backend(state["mirror"])
+        remote = open_store(state["mirror"])
         remote_committed = {i.name for i in inventory(remote, digests=False) if i.state == "committed"}
     except (StorageError, OSError, ValueError) as exc:
         raise UsageError(f"cannot read mirror {state['mirror']!r}: {exc}") from exc
@@ -161,20 +163,18 @@ def cmd_prune(args: argparse.Namespace) -> int:
     for flag, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1")
-    backend = open_root(args.root)
-    if isinstance(backend, ObjectStoreBackend):
-        plan = prune_object_store(backend, keep_last=args.keep_last, keep_every=args.keep_every,
-                                  key=key_from_env(), dry_run=args.dry_run)
-        removed = {"generations": plan.generations, "incomplete": plan.incomplete,
-                   "orphans": plan.orphans, "multipart_aborted": plan.multipart_aborted}
-    else:
-        if args.keep_last is None:
-            raise UsageError("a local root needs --keep-last K, e.g. --keep-last 3: the newest K "
-                             "committed generations stay (pinned ones and --keep-every milestones too)")
-        committed = [i.name for i in inventory(backend, digests=False, key=key_from_env())
-                     if i.state == "committed"]
-        removed = {"generations": prune(backend, committed, keep_last=args.keep_last,
-                                        keep_every=args.keep_every, dry_run=args.dry_run)}
+    tier = open_root_tier(args.root)
+    if args.keep_last is None and not tier.leaves_debris:
+        raise UsageError("a local root needs --keep-last K, e.g. --keep-last 3: the newest K "
+                         "committed generations stay (pinned ones and --keep-every milestones too)")
+    key = key_from_env()
+    committed = [i.name for i in inventory(tier.store, digests=False, key=key) if i.state == "committed"]
+    plan = prune(tier, keep_last=args.keep_last, keep_every=args.keep_every, key=key,
+                 committed=committed, dry_run=args.dry_run)
+    removed: dict[str, Any] = {"generations": plan.generations}
+    if tier.leaves_debris:
+        removed.update(incomplete=plan.incomplete, orphans=plan.orphans,
+                       multipart_aborted=plan.multipart_aborted)
     verb = "would remove" if args.dry_run else "removed"
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, **removed}))

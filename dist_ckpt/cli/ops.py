@@ -7,15 +7,16 @@ import argparse
 import json
 import os
 
-from ..errors import UnsafeNameError
+from ..errors import DistCkptError, UnsafeNameError
 from ..format.manifest import LATEST_NAME, MANIFEST_NAME, check_generation_name, parse_generation
 from ..format.signing import key_from_env
 from ..format.validate import Problem
 from ..ops.inventory import GenerationInfo, inspect_generation
 from ..ops.retention import change_pin, read_pins
-from ..restore.quarantine import REJECTED_DIR, quarantine
-from ..storage.base import Backend, is_remote
+from ..storage.base import Backend
 from ..storage.local import LocalBackend
+from ..tiers import open_tier
+from ..tiers.quarantine import REJECTED_DIR, move_aside
 from .common import (
     QUARANTINED_ENTRY,
     Refused,
@@ -74,7 +75,7 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     pins = read_pins(backend)
     damage = None if args.force else refuse_quarantine(backend, name, info, pins, key)
     reason = args.reason or damage or info.reason or "moved aside by an operator (dist-ckpt quarantine)"
-    target = quarantine(backend.root, Problem(name, reason, None if args.reason else info.path))
+    target = move_aside(backend.root, Problem(name, reason, None if args.reason else info.path))
     if target is None:
         raise UsageError(f"{name} is not a directory under {backend.root}")
     unpinned = change_pin(backend, name, None).previous if name in pins else None
@@ -88,11 +89,15 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
 
 
 def open_local_root(root: str, command: str) -> LocalBackend:
-    """quarantine and rm move or delete directories under a POSIX root, nothing else yet."""
-    backend = None if is_remote(root) else open_root(root)  # no network call for a refusal
-    if not isinstance(backend, LocalBackend):
+    """quarantine and rm move or delete directories under ``ROOT/rejected/``: only tiers that
+    keep rejected generations have one (POSIX roots; object stores are not supported yet)."""
+    try:
+        keeps_rejected = open_tier(root).keeps_rejected  # no network call for a refusal
+    except DistCkptError as exc:
+        raise UsageError(f"{command}: cannot open {root!r}: {exc}") from exc
+    if not keeps_rejected:
         raise UsageError(f"{command}: object stores are not supported yet (local roots only)")
-    return backend
+    return LocalBackend(open_root(root).root)
 
 
 def refuse_quarantine(backend: Backend, name: str, info: GenerationInfo, pins: dict[str, str],

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from dataclasses import asdict
 from typing import Any
 
@@ -24,7 +23,7 @@ from ..save.cadence import (
     parse_tiers,
     step_time_from_log,
 )
-from ..storage.base import Backend, is_remote, open_backend
+from ..storage.base import Backend, open_backend, parent_url
 from .common import UsageError, human_bytes, open_root
 
 LAUNCH_LOG = "launch-log.jsonl"
@@ -78,12 +77,8 @@ def plan_save_cost(given: float | None, committed: list[Manifest], root: str) ->
 
 def launch_log_dirs(root: str) -> list[str]:
     """ROOT itself, then ROOT's grandparent (the launcher's LAUNCHROOT for LAUNCHROOT/runs/<id>)."""
-    if is_remote(root):
-        scheme, _, path = root.partition("://")
-        parts = path.rstrip("/").split("/")
-        return [root] + ([f"{scheme}://{'/'.join(parts[:-2])}"] if len(parts) > 2 else [])
-    path = os.path.abspath(root.removeprefix("file://"))
-    return [path, os.path.dirname(os.path.dirname(path))]
+    here, launch_root = parent_url(root, 0), parent_url(root, 2)
+    return [d for d in (here, launch_root) if d is not None]
 
 
 def plan_step_time(given: float | None, root: str) -> tuple[float | None, str]:

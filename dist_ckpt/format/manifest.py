@@ -22,6 +22,7 @@ LATEST_NAME = "latest.json"
 DCP_DIR = "dcp"
 STATE_DIR = "state"
 GLOBAL_STATE_FILE = f"{STATE_DIR}/train_state.json"
+METADATA_FILE = f"{DCP_DIR}/.metadata"  # DCP's pickled metadata, written by rank 0
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILES = 1_000_000
 PENDING_PREFIX = ".pending-"

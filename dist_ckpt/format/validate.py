@@ -7,16 +7,20 @@ integrity level, the recorded sha256). Nothing here deserialises a pickle.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .. import progress
 from ..errors import StorageError, ValidationError
-from ..storage.base import Backend
+from ..storage.base import Store, StoreReader
 from .manifest import (
     GLOBAL_STATE_FILE,
+    LATEST_NAME,
     MANIFEST_NAME,
     PENDING_PREFIX,
+    FileEntry,
+    LatestPointer,
     Manifest,
     check_generation_name,
     parse_generation,
@@ -39,17 +43,17 @@ class Problem:
         return f"{self.generation}{where}{tier}: {self.reason}"
 
 
-def list_generations(backend: Backend) -> list[str]:
+def list_generations(backend: StoreReader) -> list[str]:
     """Generation directory names, newest first by parsed update number (never lexically)."""
     names = [n for n in backend.listdir("") if parse_generation(n) is not None]
     return sorted(names, key=lambda n: parse_generation(n) or 0, reverse=True)
 
 
-def list_pending(backend: Backend) -> list[str]:
+def list_pending(backend: StoreReader) -> list[str]:
     return [n for n in backend.listdir("") if n.startswith(PENDING_PREFIX)]
 
 
-def read_manifest(backend: Backend, generation: str, *, key: bytes | None = None) -> Manifest:
+def read_manifest(backend: StoreReader, generation: str, *, key: bytes | None = None) -> Manifest:
     """Parse a generation's manifest; with ``key``, only if its signature verifies."""
     check_generation_name(generation)
     rel = f"{generation}/{MANIFEST_NAME}"
@@ -69,7 +73,7 @@ def read_manifest(backend: Backend, generation: str, *, key: bytes | None = None
     return manifest
 
 
-def check_structure(backend: Backend, generation: str, *, key: bytes | None = None) -> Manifest:
+def check_structure(backend: StoreReader, generation: str, *, key: bytes | None = None) -> Manifest:
     manifest = read_manifest(backend, generation, key=key)
     listed = {f.path for f in manifest.files}
     required = {"dcp/.metadata", GLOBAL_STATE_FILE}
@@ -84,7 +88,23 @@ def check_structure(backend: Backend, generation: str, *, key: bytes | None = No
     return manifest
 
 
-def check_sizes(backend: Backend, generation: str, manifest: Manifest) -> None:
+def check_entry(generation: str, path: str, entry: FileEntry | None, size: int,
+                sha256: str | None = None) -> None:
+    """The one comparison of a file's size (and, when given, sha256) with its manifest entry;
+    raises ``ValidationError`` naming the file. Every reader of a listed file comes here."""
+    if entry is None:
+        raise ValidationError(f"{generation}: the manifest lists no {path}", generation=generation,
+                              path=path)
+    if size != entry.size:
+        raise ValidationError(f"{generation}: file {path} does not match its manifest entry: "
+                              f"{size} bytes, manifest says {entry.size}", generation=generation, path=path)
+    if sha256 is not None and sha256 != entry.sha256:
+        raise ValidationError(f"{generation}: file {path} does not match its manifest entry: sha256 "
+                              f"{sha256[:12]}..., manifest says {entry.sha256[:12]}...",
+                              generation=generation, path=path)
+
+
+def check_sizes(backend: StoreReader, generation: str, manifest: Manifest) -> None:
     for entry in manifest.files:
         rel = f"{generation}/{manifest.location(entry.path)}"
         try:
@@ -92,13 +112,10 @@ def check_sizes(backend: Backend, generation: str, manifest: Manifest) -> None:
         except (FileNotFoundError, StorageError) as exc:
             raise ValidationError(f"{generation}: file {entry.path} is missing",
                                   generation=generation, path=entry.path) from exc
-        if size != entry.size:
-            raise ValidationError(
-                f"{generation}: file {entry.path} has {size} bytes, manifest says {entry.size}",
-                generation=generation, path=entry.path)
+        check_entry(generation, entry.path, entry, size)
 
 
-def check_digests(backend: Backend, generation: str, manifest: Manifest,
+def check_digests(backend: StoreReader, generation: str, manifest: Manifest,
                   paths: Iterable[str] | None = None) -> None:
     wanted = None if paths is None else set(paths)
     for entry in manifest.files:
@@ -106,13 +123,34 @@ def check_digests(backend: Backend, generation: str, manifest: Manifest,
             continue
         digest = backend.sha256(f"{generation}/{manifest.location(entry.path)}")
         progress.advance(entry.size)
-        if digest != entry.sha256:
-            raise ValidationError(f"{generation}: file {entry.path} has sha256 {digest[:12]}..., "
-                                  f"manifest says {entry.sha256[:12]}...",
-                                  generation=generation, path=entry.path)
+        check_entry(generation, entry.path, entry, entry.size, digest)
 
 
-def validate(backend: Backend, generation: str, *, digests: bool = True,
+def read_verified(backend: StoreReader, generation: str, manifest: Manifest, path: str) -> bytes:
+    """A small listed file's bytes, returned only if they match its manifest entry: nothing
+    parses bytes a digest has not vouched for."""
+    raw = backend.read_bytes(f"{generation}/{manifest.location(path)}")
+    check_entry(generation, path, manifest.file(path), len(raw), hashlib.sha256(raw).hexdigest())
+    return raw
+
+
+def move_latest(store: Store, manifest: Manifest, raw: bytes) -> None:
+    """Point ``latest.json`` at ``manifest``'s generation unless it already points newer.
+    The only writer of the pointer, in every tier; call after the generation validated."""
+    try:
+        current: bytes | None = store.read_bytes(LATEST_NAME)
+    except (FileNotFoundError, StorageError):
+        current = None
+    if not LatestPointer.replaces(current, manifest):
+        return
+    pointer = LatestPointer.for_manifest(manifest, raw).model_dump_json().encode("utf-8")
+    try:
+        store.put_bytes(LATEST_NAME, pointer)
+    except OSError as exc:
+        raise StorageError(f"cannot replace {store.url(LATEST_NAME)}: {exc}") from exc
+
+
+def validate(backend: StoreReader, generation: str, *, digests: bool = True,
              key: bytes | None = None) -> Manifest:
     """Full validation of one generation on one process; raises ``ValidationError``."""
     manifest = check_structure(backend, generation, key=key)
@@ -120,7 +158,3 @@ def validate(backend: Backend, generation: str, *, digests: bool = True,
     if digests:
         check_digests(backend, generation, manifest)
     return manifest
-
-
-def problem_of(exc: Exception, generation: str) -> Problem:
-    return Problem(generation, str(exc), getattr(exc, "path", None))

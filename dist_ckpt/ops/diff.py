@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-import pickle
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -37,18 +36,15 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import progress
 from ..errors import StorageError, ValidationError
-from ..format.manifest import GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
-from ..format.validate import check_digests, check_sizes, check_structure
+from ..format.manifest import GLOBAL_STATE_FILE, METADATA_FILE, Manifest, parse_generation, rank_state_file
+from ..format.validate import check_digests, check_sizes, check_structure, read_verified
 from ..restart import codec
-from ..restore.loader import _read_verified
-from ..storage.base import Backend, open_backend
-from ..storage.objectstore import ObjectStoreBackend
-from ..tiers.verified import VerifiedObjectReader
+from ..storage.base import StoreReader
+from ..tiers import CommitTier, GenerationReader, open_tier
 from .inventory import newest_committed
 
 COMPONENTS = ("contract", "counters", "data", "rng", "scheduler", "scaler", "extras", "model",
               "optimizer")
-METADATA_FILE = "dcp/.metadata"
 _SHORT = 96  # longer values are shown by digest
 
 
@@ -111,16 +107,20 @@ def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
 class Generation:
     """A generation whose manifest, structure and file sizes checked out."""
 
-    backend: Backend
+    tier: CommitTier
     name: str
     manifest: Manifest
+
+    @property
+    def backend(self) -> StoreReader:
+        return self.tier.store
 
     @property
     def url(self) -> str:
         return self.backend.url(self.name)
 
     def read_json(self, path: str) -> Any:
-        raw = _read_verified(self.backend, self.name, self.manifest, path)
+        raw = read_verified(self.backend, self.name, self.manifest, path)
         return codec.loads(raw, what=f"{self.name}/{path}")
 
 
@@ -134,17 +134,18 @@ def split_spec(spec: str) -> tuple[str, str | None]:
     return head or ".", tail
 
 
-def open_generation(backend: Backend, name: str, *, key: bytes | None = None) -> Generation:
+def open_generation(tier: CommitTier, name: str, *, key: bytes | None = None) -> Generation:
     """Structure and sizes now; each file's digest when it is read."""
-    manifest = check_structure(backend, name, key=key)
-    check_sizes(backend, name, manifest)
-    return Generation(backend, name, manifest)
+    manifest = check_structure(tier.store, name, key=key)
+    check_sizes(tier.store, name, manifest)
+    return Generation(tier, name, manifest)
 
 
 def locate(spec: str, *, key: bytes | None = None) -> Generation:
     """``ROOT`` (its newest committed generation) or the path/URL of a generation directory."""
     root, name = split_spec(spec)
-    backend = open_backend(root)
+    tier = open_tier(root)
+    backend = tier.store
     if not backend.exists(""):
         raise StorageError(f"checkpoint root {root!r} does not exist")
     if name is None:
@@ -153,7 +154,7 @@ def locate(spec: str, *, key: bytes | None = None) -> Generation:
             raise ValidationError(f"no committed generation under {backend.root}")
     elif not backend.exists(name):
         raise ValidationError(f"no generation {name!r} under {backend.root}", generation=name)
-    return open_generation(backend, name, key=key)
+    return open_generation(tier, name, key=key)
 
 
 def diff(spec_a: str, spec_b: str, *, key: bytes | None = None) -> DiffReport:
@@ -336,7 +337,7 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _TensorSource:
     """Per-key reads of one generation's DCP checkpoint, from verified bytes only."""
 
-    def __init__(self, generation: Generation, reader: FileSystemReader, metadata: Metadata) -> None:
+    def __init__(self, generation: Generation, reader: GenerationReader, metadata: Metadata) -> None:
         self.generation = generation
         self.reader = reader
         self.metadata = metadata
@@ -345,26 +346,17 @@ class _TensorSource:
     @classmethod
     @contextmanager
     def open(cls, generation: Generation) -> Iterator[_TensorSource]:
-        backend, name, manifest = generation.backend, generation.name, generation.manifest
-        if isinstance(backend, ObjectStoreBackend):
-            # each object is downloaded once, hashed while it streams, then read locally
-            verified = VerifiedObjectReader(backend, name, manifest)
-            try:
-                yield cls(generation, verified, verified.read_metadata())
-            finally:
-                verified.cleanup()
-            return
-        # a local file cannot be swapped under a private copy: hash every shard up front and
-        # unpickle the metadata from the very bytes that were hashed
-        raw = _read_verified(backend, name, manifest, METADATA_FILE)
-        check_digests(backend, name, manifest, [f.path for f in manifest.files
-                                                 if f.path.startswith("dcp/") and f.path != METADATA_FILE])
-        metadata = pickle.loads(raw)  # noqa: S301 - its sha256 matched the manifest
-        if not isinstance(metadata, Metadata):
-            raise ValidationError(f"{name}: {METADATA_FILE} is not DCP metadata", generation=name,
-                                  path=METADATA_FILE)
-        yield cls(generation, _KnownMetadataReader(backend.url(f"{name}/{manifest.location('dcp')}"),
-                                                   metadata), metadata)
+        name, manifest = generation.name, generation.manifest
+        reader = generation.tier.open_reader(name, manifest)
+        try:
+            metadata = reader.read_metadata()
+            if not reader.hashes_on_read:
+                # files read in place cannot be swapped under a private copy: hash them first
+                check_digests(generation.backend, name, manifest, [
+                    f.path for f in manifest.files if f.path.startswith("dcp/") and f.path != METADATA_FILE])
+            yield cls(generation, reader, metadata)
+        finally:
+            reader.close()
 
     def tensor(self, key: str, meta: TensorStorageMetadata) -> torch.Tensor:
         """The full tensor ``key``, assembled from however many shards hold it."""
@@ -372,7 +364,7 @@ class _TensorSource:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             try:
-                dcp.load(target, storage_reader=self.reader, no_dist=True)
+                dcp.load(target, storage_reader=self.reader.storage_reader, no_dist=True)
             except (CheckpointException, Exception) as exc:  # a BaseException; surface ours as ours
                 raise _verification_error(self.reader, exc) or exc from exc
         progress.advance(target[key].numel() * target[key].element_size())
@@ -384,26 +376,15 @@ class _TensorSource:
         if info is None:
             raise ValidationError(f"{self.generation.name}: DCP metadata has no storage for {key}",
                                   generation=self.generation.name, path=METADATA_FILE)
-        fs = self.reader.fs
-        with fs.create_stream(fs.concat_path(self.reader.path, info.relative_path), "rb") as stream:
+        dcp_reader = self.reader.storage_reader
+        fs = dcp_reader.fs  # type: ignore[attr-defined]
+        with fs.create_stream(fs.concat_path(dcp_reader.path, info.relative_path), "rb") as stream:  # type: ignore[attr-defined]
             stream.seek(info.offset)
             return stream.read(info.length)
 
 
-def _verification_error(reader: FileSystemReader, exc: BaseException) -> ValidationError | None:
-    if isinstance(reader, VerifiedObjectReader) and reader.fs.errors:
-        return reader.fs.errors[0]
+def _verification_error(reader: GenerationReader, exc: BaseException) -> ValidationError | None:
+    if reader.errors:
+        return reader.errors[0]
     failures = getattr(exc, "failures", {}).values()
     return next((failure for failure, _ in failures if isinstance(failure, ValidationError)), None)
-
-
-class _KnownMetadataReader(FileSystemReader):
-    """A local DCP reader that serves metadata already parsed from verified bytes (DCP would
-    otherwise unpickle ``.metadata`` from disk again on every load)."""
-
-    def __init__(self, path: str, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata

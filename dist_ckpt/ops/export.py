@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import tempfile
@@ -50,17 +49,21 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from .. import progress
 from ..errors import DistCkptError, ValidationError
-from ..format.manifest import MANIFEST_NAME, Manifest, check_generation_name, check_relative_path
+from ..format.manifest import (
+    MANIFEST_NAME,
+    METADATA_FILE,
+    Manifest,
+    check_generation_name,
+    check_relative_path,
+)
 from ..format.validate import check_digests, check_sizes, check_structure
-from ..storage.base import Backend, open_backend
+from ..storage.base import Backend
 from ..storage.local import fsync_dir
-from ..storage.objectstore import ObjectStoreBackend
-from ..tiers.verified import VerifiedObjectReader
+from ..tiers import CommitTier, GenerationReader, TierOptions, open_tier
 from ..version import __version__
 from .inventory import newest_committed
 from .safetensors_file import ST_DTYPES, byte_view, write_safetensors
@@ -119,13 +122,12 @@ class _Source:
     name: str
     manifest: Manifest
     manifest_sha256: str
-    reader: StorageReader
+    reader: GenerationReader
     metadata: Metadata
     verified: list[str] = field(default_factory=list)
 
     def close(self) -> None:
-        if isinstance(self.reader, VerifiedObjectReader):
-            self.reader.cleanup()
+        self.reader.close()
 
 
 def export_generation(root: str, out_dir: str, generation: str | None = None, *, dtype: str | None = None,
@@ -147,7 +149,8 @@ def export_generation(root: str, out_dir: str, generation: str | None = None, *,
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out = os.path.abspath(out_dir)
     _refuse_existing(out)
-    source = _open_source(open_backend(root, storage_options), generation, key, cache_dir)
+    source = _open_source(open_tier(root, TierOptions(storage_options=dict(storage_options or {}))),
+                          generation, key, cache_dir)
     try:
         entries, skipped = _model_entries(source.metadata, cast)
         _verify_files_read(source, entries)
@@ -189,8 +192,9 @@ def _publish(tmp: str, out: str) -> None:
 
 
 # ---- the source generation -----------------------------------------------------------------
-def _open_source(backend: Backend, generation: str | None, key: bytes | None,
+def _open_source(tier: CommitTier, generation: str | None, key: bytes | None,
                  cache_dir: str | None) -> _Source:
+    backend = tier.store
     name = generation if generation is not None else newest_committed(backend, key)
     if name is None:
         raise ValidationError(f"no committed generation under {backend.root}")
@@ -201,32 +205,14 @@ def _open_source(backend: Backend, generation: str | None, key: bytes | None,
     if Manifest.from_bytes(raw, generation=name) != manifest:
         raise ValidationError(f"{name}: manifest changed during export", generation=name,
                               path=MANIFEST_NAME)
-    reader, metadata = _metadata_reader(backend, name, manifest, cache_dir)
-    # dcp.load re-reads .metadata on every call; hand it the verified copy instead
-    setattr(reader, "read_metadata", lambda *args, **kwargs: metadata)  # noqa: B010
+    reader = tier.open_reader(name, manifest, cache_dir)
+    try:
+        metadata = reader.read_metadata()  # from bytes that matched the manifest
+    except BaseException:
+        reader.close()
+        raise
     return _Source(backend, name, manifest, hashlib.sha256(raw).hexdigest(), reader, metadata,
-                   ["dcp/.metadata"])
-
-
-def _metadata_reader(backend: Backend, name: str, manifest: Manifest,
-                     cache_dir: str | None) -> tuple[StorageReader, Metadata]:
-    if isinstance(backend, ObjectStoreBackend):  # downloads are verified before they are read
-        reader = VerifiedObjectReader(backend, name, manifest, cache_dir)
-        try:
-            return reader, reader.read_metadata()
-        except BaseException:
-            reader.cleanup()
-            raise
-    path = "dcp/.metadata"
-    raw = backend.read_bytes(f"{name}/{manifest.location(path)}")
-    entry = manifest.file(path)
-    if entry is None or len(raw) != entry.size or hashlib.sha256(raw).hexdigest() != entry.sha256:
-        raise ValidationError(f"{name}: file {path} does not match its manifest sha256",
-                              generation=name, path=path)
-    metadata = pickle.loads(raw)  # noqa: S301 - bytes checked against the manifest just above
-    if not isinstance(metadata, Metadata):
-        raise ValidationError(f"{name}: {path} is not DCP metadata", generation=name, path=path)
-    return backend.dcp_reader(f"{name}/{manifest.location('dcp')}"), metadata
+                   [METADATA_FILE])
 
 
 def _model_entries(metadata: Metadata, cast: torch.dtype | None) -> tuple[list[_Entry], list[str]]:
@@ -246,7 +232,7 @@ def _model_entries(metadata: Metadata, cast: torch.dtype | None) -> tuple[list[_
         out = cast if cast is not None and source.is_floating_point else source
         entries.append(_Entry(str(path[1]), key, tuple(md.size), source, out))
     if not entries:
-        raise ValidationError("the generation holds no model tensors", path="dcp/.metadata")
+        raise ValidationError("the generation holds no model tensors", path=METADATA_FILE)
     return entries, skipped
 
 
@@ -265,7 +251,7 @@ def _verify_files_read(source: _Source, entries: list[_Entry]) -> None:
         if source.manifest.file(path) is None:
             raise ValidationError(f"{source.name}: DCP metadata names {path}, which the manifest "
                                   "does not list", generation=source.name, path=path)
-    if not isinstance(source.backend, ObjectStoreBackend):
+    if not source.reader.hashes_on_read:
         check_digests(source.backend, source.name, source.manifest, files)
     source.verified += files
 
@@ -275,11 +261,10 @@ def _dcp_load(source: _Source, template: dict[str, Any]) -> None:
     try:
         with warnings.catch_warnings():  # no process group is the point, not a mistake
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(template, storage_reader=source.reader, no_dist=True)
+            dcp.load(template, storage_reader=source.reader.storage_reader, no_dist=True)
     except Exception as exc:  # DCP wraps failures; a verification failure is ours to report
-        errors = getattr(getattr(source.reader, "fs", None), "errors", None)
-        if errors:
-            raise errors[0] from exc
+        if source.reader.errors:
+            raise source.reader.errors[0] from exc
         raise
 
 

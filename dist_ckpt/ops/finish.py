@@ -39,7 +39,7 @@ def finish_run(mgr: CheckpointManager, final_update: int, tokens_seen: int | Non
     record, problem = comm.broadcast(outcome)
     if record is None:
         raise CommitError(f"{name} is not final: {problem}", generation=name, failures={0: str(problem)})
-    writes_done = comm.rank == (0 if mgr.remote is not None else comm.fs_leader)
+    writes_done = comm.rank == (0 if mgr.tier.shared else comm.fs_leader)
     failure = None
     if writes_done:
         try:

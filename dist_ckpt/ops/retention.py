@@ -16,8 +16,8 @@ from ..errors import StorageError, ValidationError
 from ..format.manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import list_generations, read_manifest
-from ..storage.base import Backend
-from ..storage.objectstore import ObjectStoreBackend
+from ..storage.base import Backend, Store
+from ..tiers.base import CommitTier
 
 log = logs.get(__name__)
 
@@ -88,34 +88,9 @@ def write_pins(backend: Backend, pins: dict[str, str]) -> None:
     backend.put_bytes(PINS_NAME, json.dumps({"pins": dict(sorted(pins.items()))}, indent=1).encode())
 
 
-def prune(backend: Backend, committed: list[str], *, keep_last: int,
-          pinned: frozenset[str] = frozenset(), keep_every: int | None = None,
-          dry_run: bool = False) -> list[str]:
-    """Delete old generations; call only after the newest validated. Failures are logged.
-    Generations pinned in the root's ``pins.json`` are kept as well as ``pinned``."""
-    pinned = pinned | frozenset(read_pins(backend))
-    dropped = to_drop(committed, keep_last=keep_last, pinned=pinned, keep_every=keep_every)
-    for name in dropped if not dry_run else []:
-        try:
-            _remove_generation(backend, name)
-        except OSError as exc:
-            log.warning("could not prune %s: %s", name, exc)
-    return dropped
-
-
-def _remove_generation(backend: Backend, name: str) -> None:
-    """Remove the manifest first: a deletion cut short leaves an uncommitted directory, never
-    a committed generation with missing files."""
-    try:
-        backend.remove_tree(f"{name}/{MANIFEST_NAME}")
-    except FileNotFoundError:
-        pass
-    backend.remove_tree(name)
-
-
 @dataclass
 class PrunePlan:
-    """What a prune of an object store removes (or would remove, on a dry run)."""
+    """What a prune removes (or would remove, on a dry run)."""
 
     generations: list[str] = field(default_factory=list)  # beyond keep_last
     incomplete: list[str] = field(default_factory=list)  # no manifest, older than the newest committed
@@ -123,52 +98,58 @@ class PrunePlan:
     multipart_aborted: int = 0
 
 
-def plan_object_store_prune(backend: ObjectStoreBackend, *, keep_last: int | None,
-                            keep_every: int | None = None, pinned: frozenset[str] = frozenset(),
-                            key: bytes | None = None) -> PrunePlan:
-    """Pure listing step: which objects of failed or superseded attempts can go.
-
-    Generations without a manifest that are newer than the newest committed one are left
-    alone: they may be uploads in flight. With ``key``, a generation whose signature fails is
-    neither counted towards ``keep_last`` nor deleted: forged manifests cannot push real
-    generations out.
-    """
+def plan_prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = None,
+               pinned: frozenset[str] = frozenset(), key: bytes | None = None,
+               committed: list[str] | None = None) -> PrunePlan:
+    """Pure listing step: old generations beyond the policy, and the tier's debris of failed
+    attempts (``CommitTier.debris``). ``committed`` (names that validated, newest first)
+    defaults to the generations whose manifest parses. With ``key``, a generation whose
+    signature fails is neither counted towards ``keep_last`` nor deleted: forged manifests
+    cannot push real generations out. Pins in the root's ``pins.json`` are kept as well as
+    ``pinned``."""
     plan = PrunePlan()
-    committed: list[tuple[str, Manifest]] = []
-    incomplete: list[str] = []
-    for name in list_generations(backend):
+    manifests: dict[str, Manifest] = {}
+    uncommitted: list[str] = []
+    for name in list_generations(tier.store):
         try:
-            committed.append((name, read_manifest(backend, name, key=key)))
+            manifests[name] = read_manifest(tier.store, name, key=key)
         except ValidationError as exc:
             if exc.path != SIGNATURE_NAME:
-                incomplete.append(name)
-    if not committed:
-        return plan
-    newest = max(parse_generation(n) or 0 for n, _ in committed)
-    plan.incomplete = [n for n in incomplete if (parse_generation(n) or 0) < newest]
-    for name, manifest in committed:
-        keep = {MANIFEST_NAME, manifest.data_dir.split("/")[0]} if manifest.data_dir else None
-        if keep is None:
-            continue
-        plan.orphans += [f"{name}/{child}" for child in backend.listdir(name) if child not in keep]
+                uncommitted.append(name)
+    names = list(manifests) if committed is None else [n for n in committed if n in manifests]
+    debris = tier.debris({n: manifests[n] for n in names}, uncommitted)
+    plan.incomplete = [d for d in debris if "/" not in d]
+    plan.orphans = [d for d in debris if "/" in d]
     if keep_last is not None:
-        plan.generations = to_drop([n for n, _ in committed], keep_last=keep_last,
-                                   keep_every=keep_every, pinned=pinned | frozenset(read_pins(backend)))
+        plan.generations = to_drop(names, keep_last=keep_last, keep_every=keep_every,
+                                   pinned=pinned | frozenset(read_pins(tier.store)))
     return plan
 
 
-def prune_object_store(backend: ObjectStoreBackend, *, keep_last: int | None,
-                       keep_every: int | None = None, pinned: frozenset[str] = frozenset(),
-                       key: bytes | None = None, dry_run: bool = False) -> PrunePlan:
-    """Delete what :func:`plan_object_store_prune` lists and abort their multipart uploads."""
-    plan = plan_object_store_prune(backend, keep_last=keep_last, keep_every=keep_every,
-                                   pinned=pinned, key=key)
+def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = None,
+          pinned: frozenset[str] = frozenset(), key: bytes | None = None,
+          committed: list[str] | None = None, dry_run: bool = False) -> PrunePlan:
+    """Delete what :func:`plan_prune` lists (call only after the newest generation validated);
+    a deletion that fails is logged and the rest go on."""
+    plan = plan_prune(tier, keep_last=keep_last, keep_every=keep_every, pinned=pinned, key=key,
+                      committed=committed)
     if dry_run:
         return plan
     for rel in plan.generations + plan.incomplete + plan.orphans:
         try:
-            plan.multipart_aborted += backend.abort_multipart_uploads(rel)
-            backend.remove_tree(rel)
+            plan.multipart_aborted += tier.store.abort_uploads(rel)
+            _remove(tier.store, rel)
         except OSError as exc:
             log.warning("could not prune %s: %s", rel, exc)
     return plan
+
+
+def _remove(store: Store, rel: str) -> None:
+    """Remove a generation's manifest first: a deletion cut short leaves an uncommitted
+    directory, never a committed generation with missing files."""
+    if "/" not in rel:
+        try:
+            store.remove_tree(f"{rel}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
+    store.remove_tree(rel)

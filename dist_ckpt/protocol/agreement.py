@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import RankMismatch
 from ..restart.contract import field_digest
+from .messages import SaveFacts
 
 
 def extras_digests(extras: dict[str, Any]) -> dict[str, str]:
@@ -17,14 +18,14 @@ def extras_digests(extras: dict[str, Any]) -> dict[str, str]:
     return {str(key): field_digest(value) for key, value in sorted(extras.items())}
 
 
-def check_extras(agreed: list[dict]) -> None:
+def check_extras(agreed: list[SaveFacts]) -> None:
     """``extras`` is one value for the whole job and rank 0 writes it: a rank whose extras
     differ would be silently overwritten on restore, so the save is refused instead."""
-    reference = agreed[0]["extras"]
+    reference = agreed[0].extras
     differing: dict[int, list[str]] = {}
     for rank, facts in enumerate(agreed[1:], start=1):
-        keys = set(reference) | set(facts["extras"])
-        changed = sorted(k for k in keys if reference.get(k) != facts["extras"].get(k))
+        keys = set(reference) | set(facts.extras)
+        changed = sorted(k for k in keys if reference.get(k) != facts.extras.get(k))
         if changed:
             differing[rank] = changed
     if differing:

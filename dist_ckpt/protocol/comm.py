@@ -63,14 +63,19 @@ class Comm:
         marker = os.path.join(root, f".probe-{self.session}-{self.rank}")
         with open(marker, "wb"):
             pass
-        self.all_gather(None)
+        self.barrier()
         prefix = f".probe-{self.session}-"
         visible = sorted(int(n[len(prefix):]) for n in os.listdir(root) if n.startswith(prefix))
         self.fs_group = visible
         self.fs_leader = visible[0]
         self.root_group_has_rank0 = 0 in visible
-        self.all_gather(None)
+        self.barrier()
         os.unlink(marker)
+
+    def barrier(self) -> None:
+        """All ranks: return once every rank reached this point (on the checkpoint group,
+        with its timeout; gloo's barrier has none of its own)."""
+        self.all_gather(None)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:

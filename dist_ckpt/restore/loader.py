@@ -10,25 +10,30 @@ digest matched), global state, and RNG last.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, StorageReader
+from torch.distributed.checkpoint import CheckpointException
 
 from ..errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError
 from ..format.manifest import GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
-from ..format.validate import Problem, check_digests, check_sizes, check_structure, list_generations
+from ..format.validate import (
+    Problem,
+    check_digests,
+    check_sizes,
+    check_structure,
+    list_generations,
+    read_verified,
+)
 from ..protocol.comm import Comm
 from ..restart import codec, rng
 from ..restart import contract as contract_mod
 from ..restart.state import TrainState
-from ..storage.base import Backend
-from ..storage.objectstore import ObjectStoreBackend
-from ..tiers.verified import VerifiedObjectReader
+from ..storage.base import StoreReader
+from ..tiers.base import CommitTier
 
 
 @dataclass
@@ -49,35 +54,35 @@ class RestoreResult:
         return self.generation is None
 
 
-def select_generation(comm: Comm, tiers: list[Backend], *, digests: bool = True,
+def select_generation(comm: Comm, tiers: list[CommitTier], *, digests: bool = True,
                      key: bytes | None = None
-                     ) -> tuple[str | None, Manifest | None, Backend | None, list[Problem]]:
+                     ) -> tuple[str | None, Manifest | None, CommitTier | None, list[Problem]]:
     """The newest generation that validates in any tier (local first, then the mirror); with
     ``key``, only signed manifests validate."""
     rejected: list[Problem] = []
-    listings = comm.broadcast([_listing(b) for b in tiers] if comm.rank == 0 else None)
+    listings = comm.broadcast([_listing(t.store) for t in tiers] if comm.rank == 0 else None)
     names = sorted(set().union(*listings), key=parse_generation, reverse=True)
     for name in names:
-        for backend, listing in zip(tiers, listings, strict=True):
+        for tier, listing in zip(tiers, listings, strict=True):
             if name not in listing:
                 continue
-            verdict = validate_everywhere(comm, backend, name, digests=digests, key=key)
+            verdict = validate_everywhere(comm, tier.store, name, digests=digests, key=key)
             if isinstance(verdict, Problem):
-                verdict.tier = backend.root
+                verdict.tier = tier.url
                 rejected.append(verdict)
                 continue
-            return name, verdict, backend, rejected
+            return name, verdict, tier, rejected
     return None, None, None, rejected
 
 
-def _listing(backend: Backend) -> set[str]:
+def _listing(backend: StoreReader) -> set[str]:
     try:
         return set(list_generations(backend))
     except StorageError:
         return set()
 
 
-def validate_everywhere(comm: Comm, backend: Backend, name: str, *, digests: bool,
+def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests: bool,
                          key: bytes | None) -> Manifest | Problem:
     """Rank 0 checks structure and sizes; the digest check is split across ranks."""
     if comm.rank == 0:
@@ -119,7 +124,7 @@ def _reason(exc: Exception) -> str:
     return f"unexpected {type(exc).__name__}: {exc}"
 
 
-def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
+def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
                     manifest: Manifest, components: Iterable[str], *,
                     allow_contract_change: bool, strict_torch_version: bool,
                     scratch_parent: str | None = None) -> RestoreResult:
@@ -140,62 +145,43 @@ def load_generation(comm: Comm, backend: Backend, state: TrainState, name: str,
         result.warnings.append(message)
 
     template = state.tensor_state(wanted)
-    _dcp_load(comm, backend, name, manifest, template, scratch_parent)
+    _dcp_load(comm, tier, name, manifest, template, scratch_parent)
+    backend = tier.store
     state.load_tensor_state(template)
 
-    saved_global = codec.loads(_read_verified(backend, name, manifest, GLOBAL_STATE_FILE),
+    saved_global = codec.loads(read_verified(backend, name, manifest, GLOBAL_STATE_FILE),
                                what=f"{name}/{GLOBAL_STATE_FILE}")
     state.load_global_state(saved_global, wanted)
     if "rng" in wanted:  # last: constructing and loading must not consume restored streams
         if comm.rank < manifest.world_size:
-            saved_rank = codec.loads(_read_verified(backend, name, manifest, rank_state_file(comm.rank)))
+            saved_rank = codec.loads(read_verified(backend, name, manifest, rank_state_file(comm.rank)))
             state.load_rank_state(saved_rank)
         else:
-            base = codec.loads(_read_verified(backend, name, manifest, rank_state_file(0)))
+            base = codec.loads(read_verified(backend, name, manifest, rank_state_file(0)))
             state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
     return result
 
 
-def _dcp_load(comm: Comm, backend: Backend, name: str, manifest: Manifest, template: dict,
+def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest, template: dict,
               scratch_parent: str | None) -> None:
     """DCP load of ``template`` (all ranks); a verification failure on any rank becomes one
     ``ValidationError`` naming each failing rank's file."""
-    reader = dcp_reader_for(backend, name, manifest, scratch_parent)
+    reader = tier.open_reader(name, manifest, scratch_parent)
     try:
         if comm.distributed:
-            dcp.load(template, storage_reader=reader, process_group=comm.group)
+            dcp.load(template, storage_reader=reader.storage_reader, process_group=comm.group)
         else:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(template, storage_reader=reader)
+                dcp.load(template, storage_reader=reader.storage_reader)
     except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
         invalid = {rank: str(failure) for rank, (failure, _) in getattr(exc, "failures", {}).items()
                    if isinstance(failure, ValidationError)}
-        if isinstance(reader, VerifiedObjectReader) and reader.fs.errors:
-            invalid.setdefault(comm.rank, str(reader.fs.errors[0]))
+        if reader.errors:
+            invalid.setdefault(comm.rank, str(reader.errors[0]))
         if not invalid:
             raise
         detail = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(invalid.items()))
         raise ValidationError(f"{name} could not be loaded: {detail}", generation=name) from exc
     finally:
-        if isinstance(reader, VerifiedObjectReader):
-            reader.cleanup()
-
-
-def dcp_reader_for(backend: Backend, name: str, manifest: Manifest,
-                   scratch_parent: str | None) -> StorageReader:
-    """The DCP reader of a validated generation: on an object store, private verified local
-    copies (what DCP reads is what was verified); on a local root, the files themselves (a
-    local root is trusted-local data)."""
-    if isinstance(backend, ObjectStoreBackend):
-        return VerifiedObjectReader(backend, name, manifest, scratch_parent)
-    return backend.dcp_reader(f"{name}/{manifest.location('dcp')}")
-
-
-def _read_verified(backend: Backend, name: str, manifest: Manifest, path: str) -> bytes:
-    """A small file's bytes, parsed only if they still match the manifest."""
-    raw = backend.read_bytes(f"{name}/{manifest.location(path)}")
-    entry = next((f for f in manifest.files if f.path == path), None)
-    if entry is None or len(raw) != entry.size or hashlib.sha256(raw).hexdigest() != entry.sha256:
-        raise ValidationError(f"{name}: {path} changed after validation", generation=name, path=path)
-    return raw
+        reader.close()

@@ -32,12 +32,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import DistCkptError, StorageError, ValidationError
 from ..format.manifest import Manifest, rank_state_file
+from ..format.validate import read_verified
 from ..restart import codec, rng
 from ..restart import contract as contract_mod
 from ..storage.base import Backend
+from ..tiers.base import CommitTier
 from .loader import (
-    _read_verified,
-    dcp_reader_for,
     load_generation,
     select_generation,
     validate_everywhere,
@@ -73,11 +73,11 @@ class RehearsalResult:
 def rehearse(mgr: CheckpointManager, generation: str | None,
              step_fn: Callable[[Any], float] | None) -> RehearsalResult:
     comm, config = mgr.comm, mgr.config
-    name, manifest, backend, rejected = _choose(mgr, generation)
+    name, manifest, tier, rejected = _choose(mgr, generation)
     try:
-        _check(mgr, backend, name, manifest)
+        _check(mgr, tier, name, manifest)
         try:
-            load_generation(comm, backend, mgr.state, name, manifest, mgr.state.components,
+            load_generation(comm, tier, mgr.state, name, manifest, mgr.state.components,
                             allow_contract_change=config.allow_contract_change,
                             strict_torch_version=config.strict_torch_version,
                             scratch_parent=config.cache_dir)
@@ -94,27 +94,27 @@ def rehearse(mgr: CheckpointManager, generation: str | None,
     return result
 
 
-def _choose(mgr: CheckpointManager, generation: str | None) -> tuple[str, Manifest, Backend, list]:
-    tiers = [mgr.backend] + ([mgr.mirror] if mgr.mirror is not None else [])
+def _choose(mgr: CheckpointManager, generation: str | None) -> tuple[str, Manifest, CommitTier, list]:
+    tiers = [mgr.tier] + ([mgr.mirror_tier] if mgr.mirror_tier is not None else [])
     key = mgr.config.signing_key
     if generation is None:
-        name, manifest, backend, rejected = select_generation(mgr.comm, tiers, key=key)
-        if name is None or manifest is None or backend is None:
+        name, manifest, tier, rejected = select_generation(mgr.comm, tiers, key=key)
+        if name is None or manifest is None or tier is None:
             raise ValidationError(f"no generation under {mgr.config.root} validates; nothing to rehearse")
-        return name, manifest, backend, rejected
+        return name, manifest, tier, rejected
     verdict = validate_everywhere(mgr.comm, mgr.backend, generation, digests=True, key=key)
     if not isinstance(verdict, Manifest):
         raise RehearsalFailed(generation, "integrity", str(verdict))
-    return generation, verdict, mgr.backend, []
+    return generation, verdict, mgr.tier, []
 
 
-def _check(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:
+def _check(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: Manifest) -> None:
     """Every rank checks its own view; the first problem of any rank is raised everywhere."""
     problem: tuple[str, str] | None = None
     try:
         _check_contract(mgr, manifest)
-        _check_tensors(mgr, backend, name, manifest)
-        _check_rng(mgr, backend, name, manifest)
+        _check_tensors(mgr, tier, name, manifest)
+        _check_rng(mgr, tier.store, name, manifest)
     except RehearsalFailed as failure:
         problem = (failure.component, failure.reason)
     problems = [p for p in mgr.comm.all_gather(problem) if p is not None]
@@ -134,12 +134,12 @@ def _check_contract(mgr: CheckpointManager, manifest: Manifest) -> None:
                               f"the generation holds no {missing} state but the job has one")
 
 
-def _check_tensors(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:
-    reader = dcp_reader_for(backend, name, manifest, mgr.config.cache_dir)
+def _check_tensors(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: Manifest) -> None:
+    reader = tier.open_reader(name, manifest, mgr.config.cache_dir)
     try:
         saved = reader.read_metadata().state_dict_metadata
     finally:
-        getattr(reader, "cleanup", lambda: None)()
+        reader.close()
     expected, _ = flatten_state_dict(mgr.state.tensor_state())
     for key, value in sorted(expected.items()):
         if not isinstance(value, torch.Tensor):
@@ -161,7 +161,7 @@ def _check_tensors(mgr: CheckpointManager, backend: Backend, name: str, manifest
 def _check_rng(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:
     rank = mgr.comm.rank if mgr.comm.rank < manifest.world_size else 0
     try:
-        saved = codec.loads(_read_verified(backend, name, manifest, rank_state_file(rank)))["rng"]
+        saved = codec.loads(read_verified(backend, name, manifest, rank_state_file(rank)))["rng"]
     except (DistCkptError, OSError, KeyError) as exc:
         raise RehearsalFailed(name, "rng", f"unreadable rank state: {exc}") from exc
     current = rng.capture(mgr.state.numpy_generators)
@@ -202,7 +202,7 @@ def _record(mgr: CheckpointManager, name: str, outcome: dict[str, Any]) -> None:
         records = read_rehearsals(mgr.backend)
         records[name] = {**outcome, "time_unix": time.time()}
         mgr.backend.put_bytes(REHEARSALS_NAME, json.dumps(records, indent=1).encode())
-    mgr.comm.all_gather(None)  # every rank returns after the record is durable
+    mgr.comm.barrier()  # every rank returns after the record is durable
 
 
 def script_mode() -> str | None:

@@ -24,18 +24,17 @@ if TYPE_CHECKING:
 
 def resume(mgr: CheckpointManager, components: Iterable[str] | None,
            allow_contract_change: bool | None, verify_digests: bool) -> RestoreResult:
-    tiers = [mgr.backend] + ([mgr.mirror] if mgr.mirror is not None else [])
-    name, manifest, backend, rejected = select_generation(mgr.comm, tiers, digests=verify_digests,
+    tiers = [mgr.tier] + ([mgr.mirror_tier] if mgr.mirror_tier is not None else [])
+    name, manifest, tier, rejected = select_generation(mgr.comm, tiers, digests=verify_digests,
                                                           key=mgr.config.signing_key)
     if name is None and rejected and all(p.signature for p in rejected) \
             and mgr.config.key_rejects_all_raises:
         raise UntrustedGenerations(
             f"the signing key rejects every generation under {mgr.config.root} "
             f"({len(rejected)}; first: {rejected[0]}); a fresh start would discard them")
-    if mgr.config.is_local:
-        quarantine.move_blocking(mgr.comm, mgr.config.root, rejected, name)
+    quarantine.move_blocking(mgr.comm, mgr.tier, rejected, name)
     notes = mgr.comm.broadcast(pointer_warnings(mgr) if mgr.comm.rank == 0 else None)
-    if name is None or manifest is None:
+    if name is None or manifest is None or tier is None:
         runinfo.report(mgr.comm.rank, resumed_from=None, next_update=0,
                        rejected=[str(p) for p in rejected])
         result = RestoreResult(rejected=rejected, warnings=notes)
@@ -45,14 +44,14 @@ def resume(mgr: CheckpointManager, components: Iterable[str] | None,
     allow = mgr.config.allow_contract_change if allow_contract_change is None \
         else allow_contract_change
     result = load_generation(
-        mgr.comm, backend, mgr.state, name, manifest,
+        mgr.comm, tier, mgr.state, name, manifest,
         mgr.state.components if components is None else components,
         allow_contract_change=allow, strict_torch_version=mgr.config.strict_torch_version,
         scratch_parent=mgr.config.cache_dir)
     result.rejected = rejected
     result.warnings = notes + result.warnings
     if mgr.comm.rank == 0:
-        events.log_restore(result, backend.root if backend is not None else None)
+        events.log_restore(result, tier.url)
     runinfo.report(mgr.comm.rank, resumed_from=name, next_update=result.next_update,
                    rejected=[str(p) for p in rejected])
     return result

@@ -4,12 +4,14 @@ Protocol (one uploader thread per rank; coordination only through the c10d store
 1. ``enqueue`` (rank 0, after a local commit): the generation joins a bounded queue; when the
    queue is full the oldest waiting generation is skipped (policy: keep the newest) and
    recorded as skipped in ``mirror.json``.
-2. rank 0's uploader announces the next generation to upload as ``mirror/seq/<n>``; every
-   rank's uploader (all ranks, in sequence order) uploads and verifies its own files of that
-   generation below ``G/<data_dir>/`` and reports ``mirror/<n>/report/<rank>``.
-3. rank 0, once every rank reported within ``mirror_timeout_s``, creates the remote manifest
-   last (conditional create), moves the remote ``latest.json``, and records the generation as
-   the last completed remote one in the local ``mirror.json``. An enqueued or half-uploaded
+2. rank 0's uploader announces the next generation to upload (a ``MirrorAnnouncement`` under
+   ``mirror_seq_key(n)``); every rank's uploader (all ranks, in sequence order) replays its
+   own files of that committed local generation into the mirror tier (``CommitTier.begin``
+   with ``source_dir``, then ``put_files``: uploaded and verified below the attempt's
+   prefix) and posts a ``MirrorReport`` under ``mirror_report_key(n, rank)``.
+3. rank 0, once every rank reported within ``mirror_timeout_s``, publishes the attempt (the
+   remote manifest last, by conditional create; then the remote ``latest.json``), and records
+   the generation as the last completed remote one in the local ``mirror.json``. An enqueued or half-uploaded
    generation is never recorded as durable. Rank 0 then deletes that sequence's store keys.
 
 Local retention: rank 0 keeps the set of generations it still has to upload (queued and
@@ -28,19 +30,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import logs
-from ..errors import DistCkptError
+from ..errors import DistCkptError, StorageError
 from ..format.manifest import Manifest
-from ..ops.retention import prune_object_store, read_pins
+from ..protocol import messages
 from ..protocol.comm import Comm
-from ..storage.local import LocalBackend, atomic_write
-from ..storage.objectstore import ObjectStoreBackend
-from ..tiers.objectstore import commit_manifest, upload_files
-from .coordinator import lower_thread_priority
+from ..protocol.messages import MIRROR_PINNED_KEY as PINNED_KEY
+from ..protocol.messages import MirrorAnnouncement, MirrorReport
+from ..storage.base import StoreReader, open_store
+from ..storage.local import atomic_write
+from ..tiers.base import CommitTier
+from .priority import lower_thread_priority
 
 log = logs.get(__name__)
 MIRROR_STATE = "mirror.json"
-_STOP = "__stop__"
-PINNED_KEY = "mirror/pinned"
 
 
 @dataclass
@@ -53,29 +55,29 @@ class MirrorStats:
     max_uploading: int = 0
 
 
-def read_mirror_state(local_root: str) -> dict:
+def read_mirror_state(root: str | StoreReader) -> dict:
+    """The local root's record of mirror uploads; empty where there is none (or unreadable)."""
+    store = open_store(root) if isinstance(root, str) else root
     try:
-        with open(os.path.join(local_root, MIRROR_STATE), "rb") as handle:
-            return json.loads(handle.read())
-    except (FileNotFoundError, ValueError):
+        return json.loads(store.read_bytes(MIRROR_STATE))
+    except (FileNotFoundError, StorageError, ValueError):
         return {}
 
 
 class MirrorUploader:
     """One per rank; ``enqueue`` is called on rank 0 only, ``close`` on every rank."""
 
-    def __init__(self, comm: Comm, local_root: str, mirror: ObjectStoreBackend, *, queue_length: int,
-                 concurrency: int, timeout_s: float, keep_last: int | None = None,
-                 signing_key: bytes | None = None, keep_every: int | None = None) -> None:
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+    def __init__(self, comm: Comm, local: CommitTier, mirror: CommitTier, *, queue_length: int,
+                 timeout_s: float, signing_key: bytes | None = None,
+                 prune_mirror: Callable[[], object] | None = None) -> None:
+        self.prune_mirror = prune_mirror  # rank 0, after each completed upload
         self.signing_key = signing_key
         self.on_settled: Callable[[], None] | None = None  # rank 0: after each upload settles
         self.comm = comm
-        self.local_root = local_root
+        self.local = local
+        self.local_root = local.local_root
         self.mirror = mirror
         self.queue_length = queue_length
-        self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.stats = MirrorStats()
         self._queue: deque[tuple[str, bytes]] = deque()
@@ -151,22 +153,22 @@ class MirrorUploader:
         lower_thread_priority(10)
         while True:
             self._seq += 1
-            seq_key = f"mirror/seq/{self._seq}"
+            seq_key = messages.mirror_seq_key(self._seq)
             if self.comm.rank == 0:
                 item = self._next()
-                announce = {"generation": _STOP} if item is None else {
-                    "generation": item[0], "manifest": item[1].decode("utf-8")}
-                self.comm.store_set(seq_key, json.dumps(announce).encode())
+                announce = MirrorAnnouncement.stop_message() if item is None else \
+                    MirrorAnnouncement(item[0], item[1].decode("utf-8"))
+                messages.post(self.comm, seq_key, announce)
             else:  # follow rank 0's sequence until it announces the stop
                 while self.comm.store_wait([seq_key], 5.0):
                     pass
-                announce = json.loads(self.comm.store_get(seq_key))
-            if announce["generation"] == _STOP:
+                announce = messages.decode(MirrorAnnouncement, self.comm.store_get(seq_key))
+            if announce.stop:
                 return
             with self._cond:
-                self._active = announce["generation"]
+                self._active = announce.generation
             try:
-                self._replicate(announce["generation"], announce["manifest"].encode("utf-8"))
+                self._replicate(announce.generation, announce.manifest.encode("utf-8"))
             finally:
                 with self._cond:
                     self._active = None
@@ -176,46 +178,43 @@ class MirrorUploader:
 
     def _replicate(self, generation: str, manifest_raw: bytes) -> None:
         manifest = Manifest.model_validate_json(manifest_raw)
-        data_dir = f"mirror-{self._seq}-{self.comm.session}"
-        report_prefix = f"mirror/{self._seq}/report/"
+        attempt = self.mirror.begin(generation, f"{self.comm.session}-{self._seq}",
+                                    source_dir=os.path.join(self.local_root, generation))
         with self._cond:
             self._uploading += 1
             self.stats.max_uploading = max(self.stats.max_uploading, self._uploading)
         try:
             if not self._wait_local(generation):
                 raise DistCkptError(f"{generation} never completed locally on this rank")
-            mine = [f.model_dump() for f in manifest.files if f.rank == self.comm.rank]
-            upload_files(self.mirror, os.path.join(self.local_root, generation), generation, data_dir,
-                         mine, concurrency=self.concurrency)
-            report: dict = {"ok": True}
+            attempt.put_files([f.model_dump() for f in manifest.files if f.rank == self.comm.rank])
+            report = MirrorReport(True)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the upload
-            report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            report = MirrorReport(False, f"{type(exc).__name__}: {exc}")
         finally:
             with self._cond:
                 self._uploading -= 1
-        self.comm.store_set(f"{report_prefix}{self.comm.rank}", json.dumps(report).encode())
+        messages.post(self.comm, messages.mirror_report_key(self._seq, self.comm.rank), report)
         if self.comm.rank == 0:
-            self._commit(generation, manifest, data_dir, report_prefix)
+            self._commit(attempt, manifest)
 
-    def _commit(self, generation: str, manifest: Manifest, data_dir: str, report_prefix: str) -> None:
-        keys = [f"{report_prefix}{r}" for r in range(self.comm.world_size)]
-        missing = self.comm.store_wait(keys, self.timeout_s)
-        errors = {k: "no report before mirror_timeout_s" for k in missing}
-        for key in set(keys) - set(missing):
-            report = json.loads(self.comm.store_get(key))
-            if not report["ok"]:
-                errors[key] = report["error"]
-        if not missing:  # every rank read the announcement and reported: nobody reads these again
+    def _commit(self, attempt, manifest: Manifest) -> None:
+        generation = attempt.generation
+        keys = {r: messages.mirror_report_key(self._seq, r) for r in range(self.comm.world_size)}
+        found = messages.collect(self.comm, keys, time.monotonic() + self.timeout_s)
+        errors = {keys[r]: "no report before mirror_timeout_s" for r in found.missing}
+        for rank, raw in found.received.items():
+            report = messages.decode(MirrorReport, raw)
+            if not report.ok:
+                errors[keys[rank]] = str(report.error)
+        if not found.missing:  # every rank read the announcement: nobody reads it again
             try:
-                for key in keys + [f"mirror/seq/{self._seq}"]:
-                    self.comm.store.delete_key(key)
+                self.comm.store.delete_key(messages.mirror_seq_key(self._seq))
             except Exception:  # noqa: BLE001 - a leftover key costs bytes, never correctness
                 log.warning("could not delete the store keys of mirror sequence %d", self._seq)
         try:
             if errors:
                 raise DistCkptError(f"mirror upload of {generation} failed: {errors}")
-            commit_manifest(self.mirror, manifest.model_copy(update={"data_dir": data_dir}),
-                            key=self.signing_key)
+            attempt.publish(manifest, self.signing_key)
             self.stats.completed.append(generation)
             self._record(completed=manifest)
         except Exception as exc:  # noqa: BLE001 - the mirror lags; local training goes on
@@ -231,20 +230,17 @@ class MirrorUploader:
             self.on_settled()
 
     def _prune(self) -> None:
-        if self.keep_last is None:
+        if self.prune_mirror is None:
             return
         try:
-            # pins live in the local root, where rank 0 writes them
-            pinned = frozenset(read_pins(LocalBackend(self.local_root)))
-            prune_object_store(self.mirror, keep_last=self.keep_last, keep_every=self.keep_every,
-                               pinned=pinned, key=self.signing_key)
+            self.prune_mirror()
         except Exception:  # noqa: BLE001 - retention must never fail an upload or training
             log.exception("mirror retention pass failed")
 
     def _record(self, *, completed: Manifest | None = None, skipped: str | None = None,
                 failed: str | None = None, reason: str | None = None) -> None:
-        state = read_mirror_state(self.local_root)
-        state["mirror"] = self.mirror.root
+        state = read_mirror_state(self.local.store)
+        state["mirror"] = self.mirror.url
         if completed is not None:
             state["last_completed"] = completed.generation
             state["last_completed_update"] = completed.next_update

@@ -1,6 +1,6 @@
 """Free-space preflight: refuse a save that cannot fit before anything is written.
 
-Protocol: every rank puts ``{"leader", "bytes", "free"}`` (or None when it cannot estimate)
+Protocol: every rank puts its ``SpaceFacts`` (or None when it cannot estimate)
 into the manager's pre-save all-gather; every rank then runs :func:`check_space` on the same
 gathered facts, so all ranks raise the same :class:`InsufficientSpace` or none does. A
 filesystem's leader (its lowest rank) measures the free space; the need is the sum of what
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from ..errors import InsufficientSpace
+from ..protocol.messages import SaveFacts
 
 
 def free_bytes(path: str) -> int:
@@ -19,16 +20,17 @@ def free_bytes(path: str) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-def check_space(agreed: list[dict], headroom_bytes: int, root: str) -> None:
-    facts = [f["space"] for f in agreed]
+def check_space(agreed: list[SaveFacts], headroom_bytes: int, root: str) -> None:
+    facts = [f.space for f in agreed]
     if any(f is None for f in facts):
         return  # some rank has no estimate yet (first save of this layout) or checks are off
     need: dict[int, int] = {}
     free: dict[int, int] = {}
     for fact in facts:
-        need[fact["leader"]] = need.get(fact["leader"], 0) + fact["bytes"]
-        if fact["free"] is not None:
-            free[fact["leader"]] = fact["free"]
+        assert fact is not None
+        need[fact.leader] = need.get(fact.leader, 0) + fact.bytes
+        if fact.free is not None:
+            free[fact.leader] = fact.free
     shortfalls = {
         leader: f"{need[leader] + headroom_bytes} bytes needed (one generation + headroom), "
                 f"{free[leader]} free"

@@ -1,5 +1,9 @@
-"""Storage backends. ``open_backend(url)`` picks one from the root URL."""
+"""Storage: bytes and names below a root (a POSIX directory or an fsspec object store).
 
-from .base import Backend, open_backend
+Owns: durable local writes (fsync, atomic replace) and object-store access. May import:
+``errors``, ``logs``. Knows nothing of manifests, generations or DCP.
+"""
 
-__all__ = ["Backend", "open_backend"]
+from .base import Backend, Store, StoreReader, StoreWriter, open_backend, open_store
+
+__all__ = ["Backend", "Store", "StoreReader", "StoreWriter", "open_backend", "open_store"]

@@ -1,16 +1,19 @@
-"""The read-side storage protocol shared by restore, validation, retention and the CLI."""
+"""The storage protocols: bytes under '/'-separated names below a root, nothing more.
+
+The storage layer knows no manifest, no DCP layout and no generation: the format layer
+(``dist_ckpt.format``) and the commit tiers (``dist_ckpt.tiers``) give names their meaning.
+Readers (validation, inventory, restore, the CLI) take a :class:`StoreReader`; writers (the
+tiers, retention, pins) a :class:`Store`. Paths are relative to the root; implementations
+reject nothing themselves, callers validate names first.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import os
+from typing import IO, Any, Protocol
 
-from torch.distributed.checkpoint import StorageReader
 
-
-class Backend(Protocol):
-    """Read/list/delete access below a checkpoint root. Paths are '/'-separated and relative
-    to the root; implementations reject nothing themselves, callers validate names first."""
-
+class StoreReader(Protocol):
     root: str
 
     def url(self, rel: str) -> str: ...
@@ -21,23 +24,44 @@ class Backend(Protocol):
 
     def read_bytes(self, rel: str) -> bytes: ...
 
+    def open_read(self, rel: str) -> IO[bytes]: ...
+
     def size(self, rel: str) -> int: ...
 
     def sha256(self, rel: str) -> str: ...
 
+    def tree_size(self, rel: str) -> int:
+        """Bytes of every file below ``rel`` (0 when absent)."""
+
+
+class StoreWriter(Protocol):
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        """Replace ``rel`` with ``data`` atomically (readers see the old or the new bytes)."""
+
+    def put_file(self, local_path: str, rel: str) -> None: ...
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        """Create ``rel`` only if it does not exist; ``FileExistsError`` when it does."""
+
     def remove_tree(self, rel: str) -> None: ...
 
-    def dcp_reader(self, rel: str) -> StorageReader: ...
+    def abort_uploads(self, rel: str) -> int:
+        """Abort unfinished uploads below ``rel``; returns how many (0 where none exist)."""
 
-    def put_bytes(self, rel: str, data: bytes) -> None: ...
+
+class Store(StoreReader, StoreWriter, Protocol):
+    """Read and write access below one root."""
+
+
+Backend = Store  # the name the rest of the code base grew up with
 
 
 def is_remote(root: str) -> bool:
     return "://" in root and not root.startswith("file://")
 
 
-def open_backend(root: str, storage_options: dict[str, Any] | None = None) -> Backend:
-    """A local backend for paths and ``file://``; an fsspec object-store backend otherwise."""
+def open_store(root: str, storage_options: dict[str, Any] | None = None) -> Store:
+    """A local store for paths and ``file://``; an fsspec object store otherwise."""
     if is_remote(root):
         from .objectstore import ObjectStoreBackend
 
@@ -45,3 +69,21 @@ def open_backend(root: str, storage_options: dict[str, Any] | None = None) -> Ba
     from .local import LocalBackend
 
     return LocalBackend(root.removeprefix("file://"))
+
+
+open_backend = open_store
+
+
+def parent_url(root: str, levels: int) -> str | None:
+    """``root`` with its last ``levels`` components removed (a path or a URL); None when the
+    root has fewer components than that."""
+    scheme, sep, path = root.partition("://")
+    if sep and scheme != "file" and levels == 0:
+        return root
+    if not sep or scheme == "file":
+        path = os.path.abspath(root.removeprefix("file://"))
+        for _ in range(levels):
+            path = os.path.dirname(path)
+        return path
+    parts = path.rstrip("/").split("/")
+    return f"{scheme}://{'/'.join(parts[:-levels])}" if len(parts) > levels else None

@@ -6,8 +6,7 @@ import hashlib
 import os
 import shutil
 import uuid
-
-from torch.distributed.checkpoint import FileSystemReader, StorageReader
+from typing import IO
 
 from ..errors import StorageError
 
@@ -96,6 +95,10 @@ class LocalBackend:
     def sha256(self, rel: str) -> str:
         return file_sha256(self._path(rel))[1]
 
+    def tree_size(self, rel: str) -> int:
+        return sum(os.path.getsize(os.path.join(folder, name))
+                   for folder, _, names in os.walk(self._path(rel)) for name in names)
+
     def remove_tree(self, rel: str) -> None:
         path = self._path(rel)
         if os.path.isfile(path) or os.path.islink(path):
@@ -103,9 +106,28 @@ class LocalBackend:
         else:
             shutil.rmtree(path, ignore_errors=True)
 
-    def dcp_reader(self, rel: str) -> StorageReader:
-        return FileSystemReader(self._path(rel))
+    def open_read(self, rel: str) -> IO[bytes]:
+        return open(self._path(rel), "rb")
 
     def put_bytes(self, rel: str, data: bytes) -> None:
         """Replace a small file atomically and durably."""
         atomic_write(self._path(rel), data)
+
+    def put_file(self, local_path: str, rel: str) -> None:
+        target = self._path(rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(local_path, target)
+        fsync_file(target)
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        path = self._path(rel)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(os.path.dirname(path))
+
+    def abort_uploads(self, rel: str) -> int:
+        return 0  # a POSIX write has no upload to abort

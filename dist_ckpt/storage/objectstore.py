@@ -1,22 +1,19 @@
-"""An fsspec backend for object stores (S3 through s3fs), where nothing can be renamed.
+"""An fsspec store for object stores (S3 through s3fs), where nothing can be renamed.
 
-Commit protocol on a store (see ``dist_ckpt.remote``): every object is uploaded and verified
-by the client (size, and a sha256 the client computed over what it read back), then the
-manifest is created last with a conditional create (``If-None-Match: *`` on S3), then the
-latest pointer is replaced. Credentials and endpoint come from the usual AWS variables
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) or ``storage_options``.
+The commit protocol over it lives in ``dist_ckpt.tiers.objectstore``. Credentials and
+endpoint come from the usual AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...)
+or ``storage_options``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import IO, Any
 
 import fsspec
-from torch.distributed.checkpoint import StorageReader
 
 from .. import logs
-from ..errors import GenerationExists, StorageError
+from ..errors import StorageError
 
 log = logs.get(__name__)
 READ_CHUNK = 8 << 20
@@ -62,10 +59,16 @@ class ObjectStoreBackend:
 
     def sha256(self, rel: str) -> str:
         digest = hashlib.sha256()
-        with self.fs.open(self._key(rel), "rb", block_size=READ_CHUNK) as handle:
+        with self.open_read(rel) as handle:
             while chunk := handle.read(READ_CHUNK):
                 digest.update(chunk)
         return digest.hexdigest()
+
+    def tree_size(self, rel: str) -> int:
+        try:
+            return int(self.fs.du(self._key(rel)))
+        except FileNotFoundError:
+            return 0
 
     def remove_tree(self, rel: str) -> None:
         try:
@@ -73,10 +76,8 @@ class ObjectStoreBackend:
         except FileNotFoundError:
             pass
 
-    def dcp_reader(self, rel: str) -> StorageReader:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(self.url(rel), **self.storage_options)
+    def open_read(self, rel: str) -> IO[bytes]:
+        return self.fs.open(self._key(rel), "rb", block_size=READ_CHUNK)
 
     # ---- writes ------------------------------------------------------------------------
     def put_file(self, local_path: str, rel: str) -> None:
@@ -88,8 +89,8 @@ class ObjectStoreBackend:
     def create_exclusive(self, rel: str, data: bytes) -> None:
         """Create ``rel`` only if it does not exist (conditional create on S3).
 
-        Raises :class:`GenerationExists` when another writer created it first. Stores other
-        than S3 get a check-then-write, which is not atomic.
+        Raises ``FileExistsError`` when another writer created it first. Stores other than S3
+        get a check-then-write, which is not atomic.
         """
         key = self._key(rel)
         if self.protocol in ("s3", "s3a"):
@@ -97,13 +98,13 @@ class ObjectStoreBackend:
             try:
                 self.fs.call_s3("put_object", Bucket=bucket, Key=object_key, Body=data, IfNoneMatch="*")
             except FileExistsError as exc:
-                raise GenerationExists(f"{self.url(rel)} already exists (another writer committed)") from exc
+                raise FileExistsError(f"{self.url(rel)} already exists (another writer created it)") from exc
             return
         if self.fs.exists(key):
-            raise GenerationExists(f"{self.url(rel)} already exists")
+            raise FileExistsError(f"{self.url(rel)} already exists")
         self.fs.pipe_file(key, data)
 
-    def abort_multipart_uploads(self, rel: str) -> int:
+    def abort_uploads(self, rel: str) -> int:
         """Abort unfinished multipart uploads below ``rel`` (pruner only); returns the count."""
         if self.protocol not in ("s3", "s3a"):
             return 0

@@ -1,44 +1,62 @@
-"""Object-store side of a generation: verified uploads, manifest-last conditional commit.
+"""The object-store tier: generations on a store without rename (S3 through s3fs).
 
-Protocol for generation ``G`` on a store (no rename exists):
-1. every rank uploads its own files below ``G/<data_dir>/`` (a directory unique to this save
-   attempt, so two writers of ``G`` never mix objects) and verifies each object: size from the
-   store, sha256 of the bytes read back, both against what the client computed locally;
-2. rank 0, after every rank reported, creates ``G/manifest.json`` with a conditional create
-   (exactly one writer wins), re-checks the listed objects' sizes, then replaces ``latest.json``.
+Protocol for generation ``G`` (docs/architecture.md, "Save"):
+1. every rank writes its files to a private local scratch directory, then uploads them below
+   ``G/attempt-<attempt id>/`` (unique to this attempt, so two writers of ``G`` never mix
+   objects) and verifies each object: size from the store, sha256 of the bytes read back,
+   both against what the client computed locally;
+2. rank 0, after every rank reported, uploads the signature into the attempt's directory,
+   creates ``G/manifest.json`` with a conditional create (exactly one writer wins), checks
+   the structure and the listed objects' sizes, then replaces ``latest.json``.
 Readers trust only generations whose manifest exists and whose objects verify; objects of
-failed attempts are orphans that only the pruner removes.
+failed attempts are orphans that only retention removes (``debris``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import traceback
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from .. import faults
-from ..errors import StorageError
-from ..format.manifest import LATEST_NAME, MANIFEST_NAME, LatestPointer, Manifest
+from .. import faults, logs
+from ..errors import GenerationExists, StorageError
+from ..format.manifest import MANIFEST_NAME, Manifest, parse_generation
 from ..format.signing import SIGNATURE_NAME, sign
-from ..format.validate import check_sizes, check_structure
+from ..format.validate import Problem, check_sizes, check_structure, move_latest
+from ..storage.base import is_remote
 from ..storage.objectstore import ObjectStoreBackend
+from .base import (
+    GenerationReader,
+    attempt_prefix,
+    pending_dir_name,
+    register_tier,
+    remove_own_files,
+    remove_stale_pending,
+)
+from .verified import VerifiedObjectReader
+
+log = logs.get(__name__)
 
 
-def upload_files(backend: ObjectStoreBackend, local_base: str, generation: str, data_dir: str,
-                 entries: list[dict], *, verify_digest: bool = True, concurrency: int = 4) -> None:
+def upload_files(store: ObjectStoreBackend, local_base: str, prefix: str, entries: list[dict], *,
+                 verify_digest: bool = True, concurrency: int = 4) -> None:
     """Upload and verify this rank's files (all ranks call this for their own entries)."""
 
     def one(entry: dict) -> None:
-        rel = f"{generation}/{data_dir}/{entry['path']}" if data_dir else f"{generation}/{entry['path']}"
+        rel = f"{prefix}/{entry['path']}"
         local = os.path.join(local_base, entry["path"])
         if faults.hit("upload.file", entry["rank"]).get("truncate"):
             with open(local, "rb") as handle:  # an injected short upload
-                backend.put_bytes(rel, handle.read()[: entry["size"] // 2])
+                store.put_bytes(rel, handle.read()[: entry["size"] // 2])
         else:
-            backend.put_file(local, rel)
-        size = backend.size(rel)
+            store.put_file(local, rel)
+        size = store.size(rel)
         if size != entry["size"]:
             raise StorageError(f"uploaded {rel} has {size} bytes, expected {entry['size']}")
-        if verify_digest and backend.sha256(rel) != entry["sha256"]:
+        if verify_digest and store.sha256(rel) != entry["sha256"]:
             raise StorageError(f"uploaded {rel} does not match its sha256")
 
     if not entries:
@@ -47,25 +65,106 @@ def upload_files(backend: ObjectStoreBackend, local_base: str, generation: str, 
         list(pool.map(one, entries))
 
 
-def commit_manifest(backend: ObjectStoreBackend, manifest: Manifest, *, key: bytes | None = None) -> bytes:
-    """Rank 0: signature (inside this attempt's data directory, so a losing writer's cannot
-    replace it), conditional create of the manifest, validation, then the latest pointer."""
-    raw = manifest.to_bytes()
-    if key is not None:
-        backend.put_bytes(f"{manifest.generation}/{manifest.location(SIGNATURE_NAME)}", sign(key, raw))
-    backend.create_exclusive(f"{manifest.generation}/{MANIFEST_NAME}", raw)
-    check_structure(backend, manifest.generation, key=key)
-    check_sizes(backend, manifest.generation, manifest)
-    update_remote_latest(backend, manifest, raw)
-    return raw
+class ObjectStoreAttempt:
+    def __init__(self, tier: ObjectStoreTier, generation: str, attempt_id: str,
+                 source_dir: str | None) -> None:
+        self.tier = tier
+        self.generation = generation
+        self.attempt_id = attempt_id
+        self.data_dir = attempt_prefix(attempt_id)
+        self.replay = source_dir is not None
+        self.shared = tier.shared
+        self.local_dir = source_dir or os.path.join(tier.local_root, pending_dir_name(generation, attempt_id))
+
+    def put_files(self, entries: list[dict]) -> None:
+        upload_files(self.tier.store, self.local_dir, f"{self.generation}/{self.data_dir}", entries,
+                     concurrency=self.tier.concurrency)
+
+    def publish(self, manifest: Manifest, signing_key: bytes | None) -> bytes:
+        store = self.tier.store
+        manifest = manifest.model_copy(update={"data_dir": self.data_dir})
+        raw = manifest.to_bytes()
+        faults.hit("commit.before_rename", 0)
+        if signing_key is not None:  # inside this attempt: a losing writer's cannot replace it
+            store.put_bytes(f"{self.generation}/{manifest.location(SIGNATURE_NAME)}", sign(signing_key, raw))
+        try:
+            store.create_exclusive(f"{self.generation}/{MANIFEST_NAME}", raw)
+        except FileExistsError as exc:
+            raise GenerationExists(f"{self.generation} already exists under {store.root} "
+                                   "(another writer committed it)") from exc
+        check_structure(store, self.generation, key=signing_key)
+        check_sizes(store, self.generation, manifest)
+        move_latest(store, manifest, raw)
+        return raw
+
+    def publish_copy(self, manifest_raw: bytes) -> None:
+        pass  # one copy serves every rank (shared)
+
+    def release(self, entries: list[dict], committed: bool) -> None:
+        if not self.replay:  # local scratch of an upload: never needed again
+            remove_own_files(self.local_dir, entries)
+
+    def abandon(self) -> None:
+        if not self.replay:
+            shutil.rmtree(self.local_dir, ignore_errors=True)
+        # best effort: retention removes whatever a crashed uploader leaves behind
+        try:
+            self.tier.store.remove_tree(f"{self.generation}/{self.data_dir}")
+        except Exception:  # noqa: BLE001 - cleanup must not mask the commit failure
+            traceback.print_exc()
 
 
-def update_remote_latest(backend: ObjectStoreBackend, manifest: Manifest, raw: bytes) -> None:
-    try:
-        current: bytes | None = backend.read_bytes(LATEST_NAME)
-    except FileNotFoundError:
-        current = None
-    if not LatestPointer.replaces(current, manifest):
-        return
-    backend.put_bytes(LATEST_NAME, LatestPointer.for_manifest(manifest, raw).model_dump_json().encode())
+class ObjectStoreTier:
+    """Generations below an fsspec URL; one copy serves every rank."""
 
+    shared = True
+    kind = "object store"
+    leaves_debris = True
+    keeps_rejected = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 scratch_root: str | None = None, concurrency: int = 4) -> None:
+        self.store = ObjectStoreBackend(url, storage_options)
+        self.url = self.store.root
+        self.local_root = scratch_root or tempfile.gettempdir()
+        self.local_ranks: frozenset[int] | None = None  # one copy: every rank's files
+        self.concurrency = concurrency
+
+    def begin(self, generation: str, attempt_id: str, *,
+              source_dir: str | None = None) -> ObjectStoreAttempt:
+        return ObjectStoreAttempt(self, generation, attempt_id, source_dir)
+
+    def open_reader(self, generation: str, manifest: Manifest,
+                    scratch_parent: str | None = None) -> GenerationReader:
+        # each object is downloaded once into a private copy, hashed as it streams
+        return VerifiedObjectReader(self.store, generation, manifest, scratch_parent)
+
+    def leftover_attempts(self) -> list[str]:
+        try:
+            names = os.listdir(self.local_root)
+        except FileNotFoundError:
+            return []
+        return [n for n in names if n.startswith(".pending-")]
+
+    def remove_leftover_attempts(self) -> None:
+        remove_stale_pending(self.local_root)  # remote orphans are retention's (debris)
+
+    def debris(self, committed: dict[str, Manifest], uncommitted: list[str]) -> list[str]:
+        """Generations without a manifest older than the newest committed one (newer ones may
+        be uploads in flight), and attempt directories no committed manifest references."""
+        if not committed:
+            return []
+        newest = max(parse_generation(name) or 0 for name in committed)
+        found = [n for n in uncommitted if (parse_generation(n) or 0) < newest]
+        for name, manifest in committed.items():
+            if manifest.data_dir:
+                keep = {MANIFEST_NAME, manifest.data_dir.split("/")[0]}
+                found += [f"{name}/{child}" for child in self.store.listdir(name) if child not in keep]
+        return found
+
+    def move_aside(self, problem: Problem) -> str | None:
+        return None  # nothing is renamed on a store; a rejected generation stays in place
+
+
+register_tier(is_remote, lambda url, options: ObjectStoreTier(
+    url, options.storage_options, options.scratch_root, options.concurrency))

@@ -21,20 +21,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import ValidationError
 from ..format.manifest import Manifest
-from ..storage.objectstore import READ_CHUNK, ObjectStoreBackend
+from ..format.validate import check_entry
+from ..storage.base import StoreReader
+from ..storage.objectstore import READ_CHUNK
 
 
 class _DownloadingFileSystem(FileSystem):
-    def __init__(self, backend: ObjectStoreBackend, remote_dir: str, local_dir: str,
-                 expected: dict[str, tuple[int, str]], generation: str) -> None:
+    def __init__(self, backend: StoreReader, remote_dir: str, local_dir: str,
+                 manifest: Manifest, generation: str) -> None:
         super().__init__()
         self.backend = backend
         self.remote_dir = remote_dir
         self.local_dir = Path(local_dir)
-        self.expected = expected
+        self.manifest = manifest
         self.generation = generation
         self.errors: list[ValidationError] = []  # DCP may rewrap them; the caller reports these
 
@@ -51,28 +54,27 @@ class _DownloadingFileSystem(FileSystem):
 
     def _download(self, rel: str, local: Path) -> None:
         where = f"dcp/{rel}"
-        if rel not in self.expected:
+        entry = self.manifest.file(where)
+        if entry is None:
             raise self._fail(ValidationError(f"{self.generation}: DCP asked for {where}, which the "
                                              "manifest does not list", generation=self.generation,
                                              path=where))
-        size, sha256 = self.expected[rel]
         digest, received = hashlib.sha256(), 0
         partial = local.with_name(local.name + ".partial")
         local.parent.mkdir(parents=True, exist_ok=True)
-        key = self.backend._key(f"{self.remote_dir}/{rel}")
-        with self.backend.fs.open(key, "rb", block_size=READ_CHUNK) as source, open(partial, "wb") as sink:
+        with self.backend.open_read(f"{self.remote_dir}/{rel}") as source, open(partial, "wb") as sink:
             while chunk := source.read(READ_CHUNK):
                 received += len(chunk)
-                if received > size:  # never store more than the manifest allows
+                if received > entry.size:  # never store more than the manifest allows
                     break
                 digest.update(chunk)
                 sink.write(chunk)
-        if received != size or digest.hexdigest() != sha256:
+        try:
+            check_entry(self.generation, where, entry, received, digest.hexdigest())
+        except ValidationError as exc:
             partial.unlink(missing_ok=True)
-            raise self._fail(ValidationError(
-                f"{self.generation}: {where} changed after validation ({received} bytes, sha256 "
-                f"{digest.hexdigest()[:12]}..., manifest says {size} bytes, {sha256[:12]}...)",
-                generation=self.generation, path=where))
+            raise self._fail(ValidationError(f"{exc} (changed after validation)",
+                                             generation=self.generation, path=where)) from None
         partial.rename(local)
 
     def _fail(self, error: ValidationError) -> ValidationError:
@@ -81,18 +83,30 @@ class _DownloadingFileSystem(FileSystem):
 
 
 class VerifiedObjectReader(FileSystemReader):
-    """A DCP ``FileSystemReader`` over private local copies verified against ``manifest``."""
+    """A DCP ``FileSystemReader`` over private local copies verified against ``manifest``
+    (a ``GenerationReader`` of the object-store tier)."""
 
-    def __init__(self, backend: ObjectStoreBackend, generation: str, manifest: Manifest,
+    hashes_on_read = True
+
+    def __init__(self, backend: StoreReader, generation: str, manifest: Manifest,
                  scratch_parent: str | None = None) -> None:
         if scratch_parent is not None:
             os.makedirs(scratch_parent, exist_ok=True)
         self.local_dir = tempfile.mkdtemp(prefix="dist_ckpt-restore-", dir=scratch_parent)
         super().__init__(self.local_dir)
-        expected = {f.path[len("dcp/"):]: (f.size, f.sha256) for f in manifest.files
-                    if f.path.startswith("dcp/")}
         self.fs = _DownloadingFileSystem(backend, f"{generation}/{manifest.location('dcp')}",
-                                         self.local_dir, expected, generation)
+                                         self.local_dir, manifest, generation)
+        self.storage_reader = self
+        self._metadata: Metadata | None = None
+        self.errors = self.fs.errors
 
-    def cleanup(self) -> None:
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        # downloaded and verified once; DCP asks again on every load
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+    def close(self) -> None:
         shutil.rmtree(self.local_dir, ignore_errors=True)
+
+    cleanup = close

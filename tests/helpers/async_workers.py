@@ -8,7 +8,7 @@ import time
 
 from dist_ckpt import CommitError, faults
 from dist_ckpt.save.staging import local_tensors
-from tests import workers
+from tests.helpers import workers
 
 DEADLINE_S = 4.0
 
@@ -116,7 +116,7 @@ def in_flight_bound(rank: int, world: int, root: str) -> dict:
 
 def store_keys_after_saves(rank: int, world: int, root: str) -> dict:
     """Four async saves; which per-save store keys are still present afterwards."""
-    from dist_ckpt.save.coordinator import _outcome_key
+    from dist_ckpt.protocol.messages import ack_key, outcome_key
 
     job = workers.build("ddp", rank, world)
     mgr = workers.manager(job, root, async_save=True, max_in_flight=1)
@@ -124,11 +124,11 @@ def store_keys_after_saves(rank: int, world: int, root: str) -> dict:
     for update in range(1, 5):
         workers.train_step(job)
         saved = mgr.save(update)
-        keys.append(_outcome_key(saved.request.generation, saved.request.pending_name))
+        keys.append(outcome_key(saved.request.generation, saved.request.attempt_id))
         mgr.wait()
-    mgr.comm.all_gather(None)  # every rank's last acknowledgement is in the store
+    mgr.comm.barrier()  # every rank's last acknowledgement is in the store
     present = [mgr.comm.store.check([key]) for key in keys]
-    acks = [mgr.comm.store.check([f"{key}/read"]) for key in keys]
+    acks = [mgr.comm.store.check([ack_key(key)]) for key in keys]
     mgr.close()
     return {"present": present, "acks": acks}
 

@@ -1,6 +1,6 @@
 """One rank of a job whose nodes have their own local disks (run under torchrun).
 
-Usage: torchrun ... tests/nodelocal_job.py ROOT MIRROR REFERENCE PHASE
+Usage: torchrun ... tests/helpers/nodelocal_job.py ROOT MIRROR REFERENCE PHASE
 Phase "save": train 4 updates, save at 2 and 4, close (the mirror drains), and rank 0 writes
 the gathered tensors to REFERENCE. Phase "restore": restore, check the gathered tensors
 against REFERENCE bitwise, and print one JSON line per rank.
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
-from tests import workers
+from tests.helpers import workers
 
 
 def main() -> None:

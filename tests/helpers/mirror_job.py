@@ -1,6 +1,6 @@
 """A single-rank job with a local root and an S3 mirror (run as a subprocess by the tests).
 
-Usage: python -m tests.mirror_job ROOT MIRROR UPDATE [UPDATE ...]
+Usage: python -m tests.helpers.mirror_job ROOT MIRROR UPDATE [UPDATE ...]
 Faults come from DIST_CKPT_FAULTS. Prints one JSON line of figures before exiting.
 """
 
@@ -11,7 +11,7 @@ import sys
 import time
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
-from tests.local_jobs import make_state, step
+from tests.helpers.local_jobs import make_state, step
 
 
 def main() -> None:

@@ -1,0 +1,150 @@
+"""Every message ranks exchange about a checkpoint, and every c10d store key they use.
+
+Foreground (a collective on the checkpoint group):
+- :class:`SaveFacts`: what each rank knows when ``save()`` is called (all-gathered).
+
+Background (through the c10d store, never a collective; see docs/architecture.md):
+- :class:`RankReport`: rank r -> rank 0, ``report_key(generation, attempt_id, r)``.
+- :class:`CommitOutcome`: rank 0 -> every rank, ``outcome_key(generation, attempt_id)``.
+- node copy published: a filesystem leader -> its group, ``published_key(...)``.
+- :class:`MirrorAnnouncement`: rank 0's uploader -> every uploader, ``mirror_seq_key(seq)``.
+- :class:`MirrorReport`: rank r's uploader -> rank 0's, ``mirror_report_key(seq, r)``.
+Keys a single reader consumes are deleted by that reader; keys read by several ranks are
+acknowledged under ``ack_key(key)`` and deleted by their writer once all have read them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from .comm import Comm
+
+PINS_KEY = "pins"
+MIRROR_PINNED_KEY = "mirror/pinned"
+_STOP = "__stop__"
+
+Message = TypeVar("Message", "RankReport", "CommitOutcome", "MirrorAnnouncement", "MirrorReport")
+
+
+# ---- store keys ---------------------------------------------------------------------------
+def report_key(generation: str, attempt_id: str, rank: int) -> str:
+    return f"{generation}/{attempt_id}/report/{rank}"
+
+
+def outcome_key(generation: str, attempt_id: str) -> str:
+    return f"{generation}/{attempt_id}/outcome"
+
+
+def published_key(generation: str, attempt_id: str, leader: int) -> str:
+    return f"{generation}/{attempt_id}/published/{leader}"
+
+
+def ack_key(key: str) -> str:
+    return f"{key}/read"
+
+
+def mirror_seq_key(seq: int) -> str:
+    return f"mirror/seq/{seq}"
+
+
+def mirror_report_key(seq: int, rank: int) -> str:
+    return f"mirror/{seq}/report/{rank}"
+
+
+# ---- messages -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpaceFacts:
+    leader: int  # the filesystem group's leader, which measured ``free``
+    bytes: int  # what this rank will write under the cached plan, saves in flight included
+    free: int | None  # the leader's free bytes; None on other ranks or when unmeasurable
+
+
+@dataclass(frozen=True)
+class SaveFacts:
+    """One rank's contribution to the all-gather at ``save()``; rank 0 adds ``exists`` and
+    the new ``attempt_id``."""
+
+    busy: bool  # this rank has max_in_flight saves in flight
+    errors: tuple[str, ...]  # failed generations whose CommitError this rank has not raised
+    boundary: bool  # at an optimizer boundary
+    cached: bool  # this rank's cached save plan matches the live layout
+    space: SpaceFacts | None
+    extras: dict[str, str]  # digest per TrainState.extras key
+    exists: str | None = None  # rank 0: why the generation cannot be saved, if it cannot
+    attempt_id: str | None = None  # rank 0: names this save attempt everywhere
+
+
+@dataclass(frozen=True)
+class RankReport:
+    rank: int
+    files: list[dict] = field(default_factory=list)  # FileEntry fields
+    results: str = ""  # base64 of the pickled DCP write results
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    ok: bool
+    failures: dict[str, str] = field(default_factory=dict)  # rank (as text) -> message
+    manifest: str | None = None  # the committed manifest's JSON
+
+
+@dataclass(frozen=True)
+class MirrorAnnouncement:
+    generation: str
+    manifest: str = ""
+
+    @property
+    def stop(self) -> bool:
+        return self.generation == _STOP
+
+    @classmethod
+    def stop_message(cls) -> MirrorAnnouncement:
+        return cls(_STOP)
+
+
+@dataclass(frozen=True)
+class MirrorReport:
+    ok: bool
+    error: str | None = None
+
+
+def encode(message: Any) -> bytes:
+    return json.dumps(asdict(message)).encode("utf-8")
+
+
+def decode(kind: type[Message], raw: bytes) -> Message:
+    return kind(**json.loads(raw))
+
+
+def post(comm: Comm, key: str, message: Any) -> None:
+    comm.store_set(key, encode(message))
+
+
+# ---- collection with a deadline -----------------------------------------------------------
+@dataclass
+class Collected:
+    """What :func:`collect` found: the raw message of each rank that posted, and the ranks
+    that did not before the deadline."""
+
+    received: dict[int, bytes]
+    missing: list[int]
+
+
+def collect(comm: Comm, keys: dict[int, str], deadline: float, *, delete: bool = True) -> Collected:
+    """Wait until every rank's key exists or ``deadline`` (``time.monotonic``) passes; read
+    what arrived and, with ``delete``, delete the keys read (the caller is their only reader).
+    Used by rank 0 for save reports and by rank 0's uploader for mirror reports."""
+    remaining = deadline - time.monotonic()
+    if remaining > 0:
+        late = set(comm.store_wait(list(keys.values()), remaining))
+    else:
+        late = {k for k in keys.values() if not comm.store.check([k])}
+    received = {rank: comm.store_get(key) for rank, key in keys.items() if key not in late}
+    if delete:
+        for rank in received:
+            comm.store.delete_key(keys[rank])
+    return Collected(received, sorted(rank for rank, key in keys.items() if key in late))
