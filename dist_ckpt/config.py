@@ -15,9 +15,10 @@ from pydantic import (
     model_validator,
 )
 
+from . import runinfo
 from .errors import ConfigError
-from .format.signing import KEY_ENV
-from .ops import runinfo
+from .format.signing import KEY_ENV, key_from_env
+from .storage.base import is_remote
 
 ROOT_ENV = "DIST_CKPT_ROOT"
 
@@ -179,7 +180,7 @@ class CheckpointConfig(BaseModel):
     @classmethod
     def _key_from_env(cls, value: object) -> object:
         if value is None or value == "":
-            value = os.environ.get(KEY_ENV) or None
+            value = key_from_env()
         if isinstance(value, bytes):
             value = value.decode("utf-8")
         if value is not None and len(str(value if not isinstance(value, SecretStr)
@@ -206,17 +207,13 @@ class CheckpointConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_retention(self) -> CheckpointConfig:
-        if self.mirror is not None and (not self.is_local or "://" not in self.mirror):
+        if self.mirror is not None and (is_remote(self.root) or not is_remote(self.mirror)):
             raise ValueError("mirror needs a local root and an object-store URL (s3://...)")
         if self.async_save and self.keep_last is not None and self.keep_last < 2:
             raise ValueError(
                 "keep_last must be >= 2 with async_save: the newest generation may still be in flight"
             )
         return self
-
-    @property
-    def is_local(self) -> bool:
-        return "://" not in self.root
 
 
 # the README's default column where the field's default is not the value a user gets

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import logs
+from . import events, logs, runinfo
 from .config import CheckpointConfig
 from .errors import (
     CommitError,
@@ -30,11 +30,10 @@ from .errors import (
     ValidationError,
 )
 from .format.manifest import MANIFEST_NAME, generation_name
-from .ops import events, retention, runinfo
+from .ops import retention
 from .ops.done import DoneRecord
 from .ops.finish import finish_run
 from .ops.inventory import GenerationInfo, inspect_generation, inventory
-from .protocol import agreement
 from .protocol.comm import Comm
 from .protocol.messages import PINS_KEY, SaveFacts, SpaceFacts
 from .restart import codec
@@ -44,6 +43,7 @@ from .restore import rehearse as rehearsal
 from .restore.loader import RestoreResult
 from .restore.rehearse import RehearsalResult
 from .restore.resume import resume
+from .save import agreement
 from .save.coordinator import (
     SaveJob,
     SaveRequest,

@@ -9,7 +9,7 @@ Layout::
     ROOT/STOP                 the default operator stop file
 
 ``--fresh`` only ever adds a run directory and rewrites ``current``; it never deletes, moves or
-rewrites an earlier run (requirements: a fresh run gets a fresh directory, evidence is kept).
+rewrites an earlier run (a fresh run gets a fresh directory; evidence is kept).
 A ROOT that already holds generations at its top level and no ``current`` (a job that used
 ``CheckpointConfig(root=ROOT)`` before the launcher) is continued in place as run ``root``.
 """

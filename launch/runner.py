@@ -20,8 +20,8 @@ import time
 import uuid
 from typing import Any
 
+from dist_ckpt import runinfo
 from dist_ckpt.format.manifest import LATEST_NAME, MANIFEST_NAME, LatestPointer, Manifest
-from dist_ckpt.ops import runinfo
 from dist_ckpt.save.space import free_bytes
 
 from . import policy, records

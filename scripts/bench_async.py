@@ -14,7 +14,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import benchlib  # noqa: E402
+from bench import jobs  # noqa: E402
 
 
 def measure(rank: int, world: int, state_mib: int, repeats: int, base: str) -> dict:
@@ -23,10 +23,10 @@ def measure(rank: int, world: int, state_mib: int, repeats: int, base: str) -> d
     from dist_ckpt import CheckpointConfig, CheckpointManager
 
     torch.set_num_threads(1)
-    model, optimizer, state = benchlib.build_job(state_mib, rank, world)
-    tensors = benchlib.local_tensors(state.tensor_state())
+    model, optimizer, state = jobs.build_job(state_mib, rank, world)
+    tensors = jobs.local_tensors(state.tensor_state())
     buffers = [torch.empty_like(t) for t in tensors]
-    benchlib.copy_floor(tensors, buffers)  # first touch of the buffers is not the floor
+    jobs.copy_floor(tensors, buffers)  # first touch of the buffers is not the floor
     out: dict = {"state_bytes": sum(t.numel() * t.element_size() for t in tensors), "copy": [],
                  "async": [], "sync": []}
     for mode in ("async", "sync"):
@@ -34,16 +34,16 @@ def measure(rank: int, world: int, state_mib: int, repeats: int, base: str) -> d
         config = CheckpointConfig(root=root, async_save=mode == "async", keep_last=2)
         with CheckpointManager(config, state) as mgr:
             for update in range(1, repeats + 2):
-                benchlib.train_step(model, optimizer)
-                benchlib.barrier()
-                seconds = benchlib.timed(lambda u=update: mgr.save(u))
+                jobs.train_step(model, optimizer)
+                jobs.barrier()
+                seconds = jobs.timed(lambda u=update: mgr.save(u))
                 if update == 1:
                     out[f"{mode}_first"] = seconds
                 else:
                     out[mode].append(seconds)
                 mgr.wait()
-                out["copy"].append(benchlib.copy_floor(tensors, buffers))
-        benchlib.barrier()
+                out["copy"].append(jobs.copy_floor(tensors, buffers))
+        jobs.barrier()
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
     return out
@@ -62,10 +62,10 @@ def main() -> None:
         results = run_ranks(2, measure, args.state_mib, args.repeats, base, timeout_s=1800)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(benchlib.machine())
+    print(jobs.machine())
     for rank, result in enumerate(results):
-        stats = {k: benchlib.summary(result[k]) for k in ("async", "sync", "copy")}
-        print(f"rank {rank}: state {result['state_bytes'] / benchlib.MiB:.0f} MiB; first save "
+        stats = {k: jobs.summary(result[k]) for k in ("async", "sync", "copy")}
+        print(f"rank {rank}: state {result['state_bytes'] / jobs.MiB:.0f} MiB; first save "
               f"async {result['async_first']:.3f} s, sync {result['sync_first']:.3f} s")
         for key, value in stats.items():
             print(f"  {key:5s} blocking median {value['median']:.4f} s "

@@ -16,8 +16,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import benchlib  # noqa: E402
 import torch  # noqa: E402
+from bench import jobs  # noqa: E402
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
@@ -69,9 +69,9 @@ def main() -> None:
 
         with moto_endpoint():
             result = measure(args.state_mib, args.repeats)
-    mib = result["bytes"] / benchlib.MiB
+    mib = result["bytes"] / jobs.MiB
     ours, plain = statistics.median(result["ours"]), statistics.median(result["plain"])
-    print(benchlib.machine())
+    print(jobs.machine())
     print(f"generation: {mib:.1f} MiB, {args.repeats} repeats, endpoint moto_server on loopback")
     print(f"dist_ckpt save to s3:// (write, sha256, upload, read-back verify, manifest): "
           f"median {ours:.3f} s = {mib / ours:.1f} MiB/s (min {min(result['ours']):.3f}, "

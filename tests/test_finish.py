@@ -17,8 +17,8 @@ from dist_ckpt import (
 )
 from dist_ckpt.cli.main import main as cli
 from dist_ckpt.ops.done import check_done
-from dist_ckpt.ops.runinfo import LAUNCH_DIR_ENV, read_reports
 from dist_ckpt.restart.contract import digest
+from dist_ckpt.runinfo import LAUNCH_DIR_ENV, read_reports
 from dist_ckpt.storage.local import LocalBackend
 from dist_ckpt.testing import run_ranks
 from tests.helpers.local_jobs import make_state, step, two_generations

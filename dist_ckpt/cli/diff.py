@@ -18,7 +18,7 @@ from ..ops.diff import (
     split_spec,
 )
 from ..ops.inventory import newest_committed
-from .common import UsageError, checked_generation, open_root
+from .common import UsageError, checked_generation, open_root_tier
 
 DIFF_EPILOG = f"""\
 A and B are each a checkpoint ROOT (its newest committed generation) or the path or URL of
@@ -54,14 +54,15 @@ def add_diff_parser(sub: Any) -> argparse.ArgumentParser:
 def resolve(spec: str, key: bytes | None) -> Generation:
     """What A or B names; a missing root or generation is a usage error (exit 2)."""
     root, name = split_spec(spec)
-    backend = open_root(root)
+    tier = open_root_tier(root)
+    backend = tier.store
     if name is None:
         name = newest_committed(backend, key)
         if name is None:
             raise UsageError(f"no committed generation under {backend.root}")
     else:
         checked_generation(backend, name)
-    return open_generation(backend, name, key=key)  # a broken generation: ValidationError, exit 1
+    return open_generation(tier, name, key=key)  # a broken generation: ValidationError, exit 1
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

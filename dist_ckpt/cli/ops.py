@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+from typing import IO
 
 from ..errors import DistCkptError, UnsafeNameError
 from ..format.manifest import LATEST_NAME, MANIFEST_NAME, check_generation_name, parse_generation
@@ -13,16 +13,16 @@ from ..format.signing import key_from_env
 from ..format.validate import Problem
 from ..ops.inventory import GenerationInfo, inspect_generation
 from ..ops.retention import change_pin, read_pins
-from ..storage.base import Backend
-from ..storage.local import LocalBackend
-from ..tiers import open_tier
-from ..tiers.quarantine import REJECTED_DIR, move_aside
+from ..storage.base import Backend, StoreReader
+from ..tiers import CommitTier, open_tier
+from ..tiers.quarantine import REASON_NAME, REJECTED_DIR
 from .common import (
     QUARANTINED_ENTRY,
     Refused,
     UsageError,
     checked_generation,
     open_root,
+    open_root_tier,
     read_latest,
 )
 from .inspection import verify_result
@@ -68,14 +68,15 @@ def pin_message(name: str, previous: str | None, label: str) -> str:
 
 
 def cmd_quarantine(args: argparse.Namespace) -> int:
-    backend = open_local_root(args.root, "quarantine")
+    tier = open_local_root(args.root, "quarantine")
+    backend = tier.store
     name = checked_generation(backend, args.generation)
     key = key_from_env()
     info = inspect_generation(backend, name, digests=False, key=key)
     pins = read_pins(backend)
     damage = None if args.force else refuse_quarantine(backend, name, info, pins, key)
     reason = args.reason or damage or info.reason or "moved aside by an operator (dist-ckpt quarantine)"
-    target = move_aside(backend.root, Problem(name, reason, None if args.reason else info.path))
+    target = tier.move_aside(Problem(name, reason, None if args.reason else info.path))
     if target is None:
         raise UsageError(f"{name} is not a directory under {backend.root}")
     unpinned = change_pin(backend, name, None).previous if name in pins else None
@@ -88,7 +89,7 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     return 0
 
 
-def open_local_root(root: str, command: str) -> LocalBackend:
+def open_local_root(root: str, command: str) -> CommitTier:
     """quarantine and rm move or delete directories under ``ROOT/rejected/``: only tiers that
     keep rejected generations have one (POSIX roots; object stores are not supported yet)."""
     try:
@@ -97,7 +98,7 @@ def open_local_root(root: str, command: str) -> LocalBackend:
         raise UsageError(f"{command}: cannot open {root!r}: {exc}") from exc
     if not keeps_rejected:
         raise UsageError(f"{command}: object stores are not supported yet (local roots only)")
-    return LocalBackend(open_root(root).root)
+    return open_root_tier(root)
 
 
 def refuse_quarantine(backend: Backend, name: str, info: GenerationInfo, pins: dict[str, str],
@@ -115,22 +116,48 @@ def refuse_quarantine(backend: Backend, name: str, info: GenerationInfo, pins: d
     return str(result["reason"])
 
 
-class QuarantinedCopy(LocalBackend):
-    """An entry under ``ROOT/rejected/`` seen under its generation's name, so that
+class QuarantinedCopy:
+    """An entry under ``ROOT/rejected/`` seen (read-only) under its generation's name, so that
     ``validate`` checks it unchanged (its manifest still names the generation)."""
 
-    def __init__(self, entry_path: str, generation: str) -> None:
-        super().__init__(entry_path)
+    def __init__(self, store: Backend, entry: str, generation: str) -> None:
+        self.store = store
+        self.entry = entry
         self.generation = generation
+        self.root = store.url(entry)
 
-    def _path(self, rel: str) -> str:
+    def _rel(self, rel: str) -> str:
         first, _, rest = rel.partition("/")
         if first != self.generation:
             raise FileNotFoundError(f"{rel} is not inside {self.generation}")
-        return super()._path(rest)
+        return f"{self.entry}/{rest}" if rest else self.entry
+
+    def url(self, rel: str) -> str:
+        return self.store.url(self._rel(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self.store.exists(self._rel(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        return self.store.listdir(self._rel(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.store.read_bytes(self._rel(rel))
+
+    def open_read(self, rel: str) -> IO[bytes]:
+        return self.store.open_read(self._rel(rel))
+
+    def size(self, rel: str) -> int:
+        return self.store.size(self._rel(rel))
+
+    def sha256(self, rel: str) -> str:
+        return self.store.sha256(self._rel(rel))
+
+    def tree_size(self, rel: str) -> int:
+        return self.store.tree_size(self._rel(rel))
 
 
-def rm_target(backend: LocalBackend, name: str) -> tuple[str, Backend, str]:
+def rm_target(backend: Backend, name: str) -> tuple[str, StoreReader, str]:
     """(path to delete relative to the root, backend to validate through, generation name) for
     a generation or a quarantined entry (``ENTRY`` or ``rejected/ENTRY``)."""
     if parse_generation(name) is not None:
@@ -141,9 +168,9 @@ def rm_target(backend: LocalBackend, name: str) -> tuple[str, Backend, str]:
         raise UsageError(f"{name!r} is neither a generation name nor a quarantined entry "
                          f"({REJECTED_DIR}/gen-NNNNNNNNNNNN-<time>-<id>)")
     rel = f"{REJECTED_DIR}/{entry}"
-    if not os.path.isdir(backend.url(rel)):
+    if not backend.exists(f"{rel}/{MANIFEST_NAME}") and not backend.exists(f"{rel}/{REASON_NAME}"):
         raise UsageError(f"no quarantined entry {entry!r} under {backend.url(REJECTED_DIR)}")
-    return rel, QuarantinedCopy(backend.url(rel), match.group(1)), match.group(1)
+    return rel, QuarantinedCopy(backend, rel, match.group(1)), match.group(1)
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -151,7 +178,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         raise UsageError("rm needs --invalid-only: it deletes only a generation that fails "
                          "validation (committed data is never deleted by accident; old "
                          "generations go with `dist-ckpt prune`)")
-    backend = open_local_root(args.root, "rm")
+    backend = open_local_root(args.root, "rm").store
     rel, view, generation = rm_target(backend, args.name)
     # bytes only: a generation signed under another key is not damaged, and this deletes
     result = verify_result(view, generation, key=None)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from .. import runinfo
 from ..errors import CommitError
 from ..format.manifest import MANIFEST_NAME, Manifest, generation_name, parse_generation
 from ..save.mirror import read_mirror_state
 from ..version import __version__
-from . import runinfo
 from .done import DONE_NAME, DoneRecord, record_for, write_done
 from .inventory import inspect_generation
 

@@ -6,13 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import ValidationError
 from ..format.manifest import Manifest, parse_generation
-from ..format.validate import (
-    check_digests,
-    check_sizes,
-    check_structure,
-    list_generations,
-    list_pending,
-)
+from ..format.validate import list_generations, list_pending, validate
 from ..storage.base import Backend
 
 
@@ -31,10 +25,7 @@ def inspect_generation(backend: Backend, name: str, *, digests: bool,
                        key: bytes | None = None) -> GenerationInfo:
     number = parse_generation(name)
     try:
-        manifest = check_structure(backend, name, key=key)
-        check_sizes(backend, name, manifest)
-        if digests:
-            check_digests(backend, name, manifest)
+        manifest = validate(backend, name, digests=digests, key=key)
     except ValidationError as exc:
         return GenerationInfo(name, number, "invalid", reason=str(exc), path=exc.path)
     except OSError as exc:

@@ -1,7 +1,7 @@
 """A pickle-free JSON codec for the small, non-tensor parts of the restart state.
 
 Scheduler, scaler, sampler, RNG and user extras are written as JSON so that reading a
-checkpoint never executes code (requirements section 8). Tuples, non-string dict keys,
+checkpoint never executes code (docs/architecture.md, "Invariants"). Tuples, non-string dict keys,
 tensors and NumPy arrays are encoded as tagged objects.
 """
 

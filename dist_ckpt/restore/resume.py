@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from .. import events, runinfo
 from ..errors import UntrustedGenerations
 from ..format.manifest import LATEST_NAME, MANIFEST_NAME, read_latest_name
-from ..ops import events, runinfo
 from . import quarantine
 from .loader import RestoreResult, load_generation, select_generation
 

@@ -24,29 +24,23 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 from ..protocol.comm import Comm
+from ..restart.tree import walk
 
 
 def layout_fingerprint(state: Any) -> str:
     """A digest of the keys, types, shapes, dtypes and shardings of ``state`` (not values)."""
     digest = hashlib.sha256()
 
-    def walk(value: Any, path: str) -> None:
+    for path, value in walk(state):
         if isinstance(value, DTensor):
             digest.update(f"{path}|D|{tuple(value.shape)}|{value.dtype}|{value.placements}|"
                           f"{tuple(value.to_local().shape)}\n".encode())
         elif isinstance(value, torch.Tensor):
             digest.update(f"{path}|T|{tuple(value.shape)}|{value.dtype}\n".encode())
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{path}/{key}")
         elif isinstance(value, list | tuple):
             digest.update(f"{path}|L{len(value)}\n".encode())
-            for index, item in enumerate(value):
-                walk(item, f"{path}/{index}")
-        else:
+        elif not isinstance(value, dict):
             digest.update(f"{path}|O\n".encode())
-
-    walk(state, "")
     return digest.hexdigest()
 
 

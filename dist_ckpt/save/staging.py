@@ -16,26 +16,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import StagingError
+from ..restart.tree import walk
 
 
 def local_tensors(state: Any) -> list[torch.Tensor]:
     """Every tensor of a (nested) state, DTensors as their local shards: what staging copies."""
-    out: list[torch.Tensor] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, DTensor):
-            value = value.to_local()
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
-        elif isinstance(value, list | tuple):
-            for item in value:
-                walk(item)
-
-    walk(state)
-    return out
+    return [value.to_local() if isinstance(value, DTensor) else value
+            for _, value in walk(state) if isinstance(value, torch.Tensor)]
 
 
 class StagingSlot:

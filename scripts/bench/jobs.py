@@ -1,4 +1,8 @@
-"""Shared pieces of the benchmark scripts (not part of the library or the tests)."""
+"""The benchmark job (an FSDP2 stack of linear layers + AdamW) and small timing helpers.
+
+Shared by ``scripts/bench`` and the other benchmark scripts (``bench_async.py``); not part
+of the library or the tests. Uses only the public API (``TrainState``, ``ResumableSampler``).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 MiB = 1 << 20
 
@@ -32,21 +37,62 @@ class Wide(torch.nn.Module):
         return x
 
 
-def build_job(state_mib: int, rank: int, world: int, kind: str = "fsdp"):
+Job = tuple[torch.nn.Module, torch.optim.Optimizer, Any]  # model, optimizer, TrainState
+
+
+def build_job(state_mib: int, rank: int, world: int, kind: str = "fsdp") -> Job:
     return build_job_sized(state_mib, rank, world, world, kind)
 
 
+def build_job_sized(state_mib: int, rank: int, world: int, size_world: int, kind: str = "fsdp") -> Job:
+    """Like :func:`build_job` on ``world`` ranks, but with the model that ``build_job`` builds for
+    ``size_world`` ranks (same global model: for restoring a generation at another world size)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_ckpt import ResumableSampler, TrainState
+
+    torch.manual_seed(0)
+    model = Wide(state_mib, size_world)
+    if kind == "fsdp":
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sampler = ResumableSampler(10_000, 2, rank=rank, world_size=world)
+    train_step(model, optimizer)
+    return model, optimizer, TrainState(model, optimizer, sampler=sampler)
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    x = torch.randn(2, model.width if hasattr(model, "width") else model.module.width)
+    width = model.width if hasattr(model, "width") else model.module.width
+    x = torch.randn(2, int(width))  # type: ignore[arg-type]
     model(x).sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 def local_tensors(state: Any) -> list[torch.Tensor]:
-    from dist_ckpt.save.staging import local_tensors as staged_tensors
+    """Every tensor of a (nested) state, DTensors as their local shards (what a save stages)."""
+    out: list[torch.Tensor] = []
 
-    return staged_tensors(state)
+    def walk(value: Any) -> None:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    return out
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -82,22 +128,3 @@ def copy_floor(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> floa
     for source, target in zip(tensors, buffers, strict=True):
         target.copy_(source)
     return time.perf_counter() - started
-
-
-def build_job_sized(state_mib: int, rank: int, world: int, size_world: int, kind: str = "fsdp"):
-    """Like :func:`build_job` on ``world`` ranks, but with the model that ``build_job`` builds for
-    ``size_world`` ranks (same global model: for restoring a generation at another world size)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from dist_ckpt import ResumableSampler, TrainState
-
-    torch.manual_seed(0)
-    model = Wide(state_mib, size_world)
-    if kind == "fsdp":
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    sampler = ResumableSampler(10_000, 2, rank=rank, world_size=world)
-    train_step(model, optimizer)
-    return model, optimizer, TrainState(model, optimizer, sampler=sampler)

@@ -18,8 +18,8 @@ import json
 import os
 from typing import Any
 
-from .. import logs
-from ..errors import (
+from . import logs
+from .errors import (
     ConfigError,
     ContractMismatch,
     InsufficientSpace,

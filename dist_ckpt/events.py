@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from .. import logs
-from ..format.manifest import Manifest
-from ..restore.loader import RestoreResult
-from ..save.coordinator import SaveJob
+from . import logs
+from .format.manifest import Manifest
+
+if TYPE_CHECKING:  # annotations only: this module sits below the save and restore layers
+    from .restore.loader import RestoreResult
+    from .save.request import SaveJob
 
 log = logs.get("dist_ckpt.manager")
 

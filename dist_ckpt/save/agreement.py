@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import RankMismatch
+from ..protocol.messages import SaveFacts
 from ..restart.contract import field_digest
-from .messages import SaveFacts
 
 
 def extras_digests(extras: dict[str, Any]) -> dict[str, str]:

@@ -1,0 +1,109 @@
+"""The layering of docs/architecture.md, enforced: no import cycle between dist_ckpt modules,
+each layer imports only layers below it, and only the tier and storage implementations name
+a kind of root."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dist_ckpt"
+
+# bottom to top; a module may import its own layer and the layers below (docs/architecture.md)
+LAYERS: list[set[str]] = [
+    {"errors", "version", "logs", "progress", "faults", "runinfo"},
+    {"storage"},
+    {"format", "events"},
+    {"protocol", "config"},
+    {"restart"},
+    {"tiers"},
+    {"save", "restore"},
+    {"ops", "testing"},
+    {"manager"},
+    {"cli", "__init__"},
+]
+# names that only the tier and storage implementations may use: deciding by the kind of root
+KIND_NAMES = {"is_remote", "ObjectStoreBackend", "LocalBackend", "ObjectStoreTier", "RenameTier"}
+KIND_OWNERS = {"tiers", "storage", "config"}  # config: validates the shape of the URLs it is given
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def runtime_imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """dist_ckpt modules ``name`` imports when it runs (``TYPE_CHECKING`` blocks excluded)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    return next(i for i, layer in enumerate(LAYERS) if top.removesuffix(".py") in layer)
+
+
+def test_every_module_has_a_layer() -> None:
+    for name in modules():
+        layer_of(name)  # StopIteration names a module nobody placed
+
+
+def test_no_import_cycle() -> None:
+    known = modules()
+    graph = {name: runtime_imports(name, path, known) for name, path in known.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert cycles == []
+
+
+def test_layers_import_only_downwards() -> None:
+    known = modules()
+    upward = sorted(f"{name} -> {dep}" for name, path in known.items()
+                    for dep in runtime_imports(name, path, known) if layer_of(dep) > layer_of(name))
+    assert upward == []
+
+
+def test_only_tiers_and_storage_name_a_kind_of_root() -> None:
+    offenders = []
+    for name, path in modules().items():
+        top = name.split(".")[1] if "." in name else "__init__"
+        if top in KIND_OWNERS:
+            continue
+        used = {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
+        used |= {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
+                 for a in n.names}
+        offenders += [f"{name}: {kind}" for kind in sorted(used & KIND_NAMES)]
+    assert offenders == []
