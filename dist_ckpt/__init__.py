@@ -1,4 +1,11 @@
-"""dist_ckpt: atomic, validated, asynchronous checkpoints for torchrun FSDP/DDP jobs."""
+"""dist_ckpt: atomic, validated, asynchronous checkpoints for torchrun FSDP/DDP jobs.
+
+The code is grouped by layer (docs/architecture.md); this module re-exports the public
+names. ``dist_ckpt.diff`` and ``dist_ckpt.export``, documented before the layout, still
+name the modules that now live in ``dist_ckpt.ops``.
+"""
+
+import sys as _sys
 
 from . import faults
 from .config import CheckpointConfig
@@ -53,3 +60,11 @@ __all__ = [
     "__version__",
     "faults",
 ]
+
+from .ops import diff as _diff  # noqa: E402 - after the public names: it imports them
+from .ops import export as _export  # noqa: E402
+
+_sys.modules.setdefault(f"{__name__}.diff", _diff)
+_sys.modules.setdefault(f"{__name__}.export", _export)
+diff = _diff
+export = _export

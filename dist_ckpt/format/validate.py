@@ -126,11 +126,19 @@ def check_digests(backend: StoreReader, generation: str, manifest: Manifest,
         check_entry(generation, entry.path, entry, entry.size, digest)
 
 
-def read_verified(backend: StoreReader, generation: str, manifest: Manifest, path: str) -> bytes:
+def read_verified(backend: StoreReader, generation: str, manifest: Manifest, path: str, *,
+                  validated: bool = False) -> bytes:
     """A small listed file's bytes, returned only if they match its manifest entry: nothing
-    parses bytes a digest has not vouched for."""
+    parses bytes a digest has not vouched for. ``validated``: the generation was validated
+    before, so a mismatch means the file changed since (the error says so)."""
     raw = backend.read_bytes(f"{generation}/{manifest.location(path)}")
-    check_entry(generation, path, manifest.file(path), len(raw), hashlib.sha256(raw).hexdigest())
+    try:
+        check_entry(generation, path, manifest.file(path), len(raw), hashlib.sha256(raw).hexdigest())
+    except ValidationError as exc:
+        if not validated:
+            raise
+        raise ValidationError(f"{exc} (changed after validation)", generation=generation,
+                              path=path) from None
     return raw
 
 

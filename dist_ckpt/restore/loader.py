@@ -149,15 +149,16 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
     backend = tier.store
     state.load_tensor_state(template)
 
-    saved_global = codec.loads(read_verified(backend, name, manifest, GLOBAL_STATE_FILE),
-                               what=f"{name}/{GLOBAL_STATE_FILE}")
+    raw_global = read_verified(backend, name, manifest, GLOBAL_STATE_FILE, validated=True)
+    saved_global = codec.loads(raw_global, what=f"{name}/{GLOBAL_STATE_FILE}")
     state.load_global_state(saved_global, wanted)
     if "rng" in wanted:  # last: constructing and loading must not consume restored streams
         if comm.rank < manifest.world_size:
-            saved_rank = codec.loads(read_verified(backend, name, manifest, rank_state_file(comm.rank)))
+            own = rank_state_file(comm.rank)
+            saved_rank = codec.loads(read_verified(backend, name, manifest, own, validated=True))
             state.load_rank_state(saved_rank)
         else:
-            base = codec.loads(read_verified(backend, name, manifest, rank_state_file(0)))
+            base = codec.loads(read_verified(backend, name, manifest, rank_state_file(0), validated=True))
             state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
     return result
 

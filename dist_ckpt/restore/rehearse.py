@@ -161,7 +161,8 @@ def _check_tensors(mgr: CheckpointManager, tier: CommitTier, name: str, manifest
 def _check_rng(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:
     rank = mgr.comm.rank if mgr.comm.rank < manifest.world_size else 0
     try:
-        saved = codec.loads(read_verified(backend, name, manifest, rank_state_file(rank)))["rng"]
+        raw = read_verified(backend, name, manifest, rank_state_file(rank), validated=True)
+        saved = codec.loads(raw)["rng"]
     except (DistCkptError, OSError, KeyError) as exc:
         raise RehearsalFailed(name, "rng", f"unreadable rank state: {exc}") from exc
     current = rng.capture(mgr.state.numpy_generators)

@@ -36,10 +36,13 @@ from typing import Any, Protocol
 from torch.distributed.checkpoint import FileSystemReader, StorageReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .. import logs
 from ..errors import ConfigError, ValidationError
 from ..format.manifest import DCP_DIR, METADATA_FILE, PENDING_PREFIX, STATE_DIR, Manifest
 from ..format.validate import Problem, read_verified
 from ..storage.base import Store, StoreReader
+
+log = logs.get(__name__)
 
 
 # ---- one name per attempt ----------------------------------------------------------------
@@ -111,9 +114,6 @@ class CommitTier(Protocol):
 
     def open_reader(self, generation: str, manifest: Manifest,
                     scratch_parent: str | None = None) -> GenerationReader: ...
-
-    def leftover_attempts(self) -> list[str]:
-        """Attempts that never committed and that this process's node can see (names)."""
 
     def remove_leftover_attempts(self) -> None:
         """A filesystem leader at start-up, before any save of this job: remove them."""
@@ -192,6 +192,7 @@ def remove_stale_pending(local_root: str) -> None:
         return
     for name in names:
         if name.startswith(PENDING_PREFIX):
+            log.info("removing stale pending directory %s", name)
             shutil.rmtree(os.path.join(local_root, name), ignore_errors=True)
 
 

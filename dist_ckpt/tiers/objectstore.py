@@ -139,13 +139,6 @@ class ObjectStoreTier:
         # each object is downloaded once into a private copy, hashed as it streams
         return VerifiedObjectReader(self.store, generation, manifest, scratch_parent)
 
-    def leftover_attempts(self) -> list[str]:
-        try:
-            names = os.listdir(self.local_root)
-        except FileNotFoundError:
-            return []
-        return [n for n in names if n.startswith(".pending-")]
-
     def remove_leftover_attempts(self) -> None:
         remove_stale_pending(self.local_root)  # remote orphans are retention's (debris)
 

@@ -119,9 +119,6 @@ class RenameTier:
         return LocalFilesReader(self.store, generation, manifest,
                                 os.path.join(self.root, generation, manifest.location(DCP_DIR)))
 
-    def leftover_attempts(self) -> list[str]:
-        return [n for n in self.store.listdir("") if n.startswith(".pending-")]
-
     def remove_leftover_attempts(self) -> None:
         remove_stale_pending(self.root)
 

@@ -161,9 +161,6 @@ class MemoryTier:
                     scratch_parent: str | None = None) -> GenerationReader:
         return VerifiedObjectReader(self.store, generation, manifest, scratch_parent)
 
-    def leftover_attempts(self) -> list[str]:
-        return [n for n in os.listdir(self.local_root) if n.startswith(".pending-")]
-
     def remove_leftover_attempts(self) -> None:
         remove_stale_pending(self.local_root)
 
