@@ -36,6 +36,11 @@ class UnsafeNameError(ValidationError):
     """A generation or file name tries to escape its directory (traversal, absolute path)."""
 
 
+class UnsafeFileError(ValidationError):
+    """A file below a local root is not a regular file (a symbolic link, FIFO, device, socket
+    or directory), or is larger than its reader's bound: it was refused without being opened."""
+
+
 class ContractMismatch(DistCkptError):
     """The experiment contract of the checkpoint differs from the running job's.
 
@@ -49,6 +54,29 @@ class ContractMismatch(DistCkptError):
             "pass allow_contract_change=True to restore anyway"
         )
         self.fields = fields
+
+
+class LayoutMismatch(DistCkptError):
+    """The job's tensors do not match the generation's: keys the job has that were not saved
+    (``missing``), saved keys the job lacks (``unexpected``), and keys whose shape or dtype
+    differ (``mismatched``: key -> (saved, current)). Raised before anything is loaded."""
+
+    def __init__(self, generation: str, missing: list[str], unexpected: list[str],
+                 mismatched: dict[str, tuple[str, str]]):
+        def some(keys: list[str]) -> str:
+            return ", ".join(keys[:8]) + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else "")
+
+        parts = [f"missing from the generation: {some(missing)}" if missing else "",
+                 f"not in the job: {some(unexpected)}" if unexpected else "",
+                 "different shape or dtype: " + some([f"{k} saved {s}, job {c}" for k, (s, c)
+                                                      in sorted(mismatched.items())])
+                 if mismatched else ""]
+        super().__init__(f"{generation} does not fit the job's model/optimizer (nothing was loaded); "
+                         + "; ".join(p for p in parts if p))
+        self.generation = generation
+        self.missing = missing
+        self.unexpected = unexpected
+        self.mismatched = mismatched
 
 
 class TorchVersionMismatch(DistCkptError):

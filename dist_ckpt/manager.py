@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import events, logs, runinfo
+from . import events, faults, logs, runinfo
 from .config import CheckpointConfig
 from .errors import (
     CommitError,
@@ -271,6 +271,7 @@ class CheckpointManager:
         state.next_update = next_update
         if tokens_seen is not None:
             state.tokens_seen = tokens_seen
+        faults.hit("stage.before", self.comm.rank)
         slot = self.staging.acquire() if self.staging is not None else None
         try:
             staged = slot.stage(live) if slot is not None else live

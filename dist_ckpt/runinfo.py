@@ -23,6 +23,7 @@ from .errors import (
     ConfigError,
     ContractMismatch,
     InsufficientSpace,
+    LayoutMismatch,
     TorchVersionMismatch,
     UntrustedGenerations,
 )
@@ -37,7 +38,8 @@ REPORT_PREFIX = "rank-"
 
 # failures a restart cannot cure: the launcher stops instead of starting again
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, ContractMismatch, TorchVersionMismatch, InsufficientSpace, UntrustedGenerations)
+    ConfigError, ContractMismatch, LayoutMismatch, TorchVersionMismatch, InsufficientSpace,
+    UntrustedGenerations)
 
 
 def launch_dir() -> str | None:

@@ -172,9 +172,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     plan = prune(tier, keep_last=args.keep_last, keep_every=args.keep_every, key=key,
                  committed=committed, dry_run=args.dry_run)
     removed: dict[str, Any] = {"generations": plan.generations}
+    if tier.leaves_debris or plan.incomplete:
+        removed.update(incomplete=plan.incomplete)
     if tier.leaves_debris:
-        removed.update(incomplete=plan.incomplete, orphans=plan.orphans,
-                       multipart_aborted=plan.multipart_aborted)
+        removed.update(orphans=plan.orphans, multipart_aborted=plan.multipart_aborted)
     verb = "would remove" if args.dry_run else "removed"
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, **removed}))
@@ -305,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (DistCkptError, OSError) as exc:
         error(str(exc) or type(exc).__name__)
+        return 1
+    except UnicodeEncodeError as exc:  # a name that is not UTF-8 (from the root or the command line)
+        error(f"cannot print a name that is not valid UTF-8: {exc}")
         return 1
 
 

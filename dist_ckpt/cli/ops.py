@@ -150,6 +150,10 @@ class QuarantinedCopy:
     def size(self, rel: str) -> int:
         return self.store.size(self._rel(rel))
 
+    def checked_size(self, rel: str, *, limit: int | None = None,
+                     sound_dirs: set[str] | None = None) -> int:
+        return self.store.checked_size(self._rel(rel), limit=limit, sound_dirs=sound_dirs)
+
     def sha256(self, rel: str) -> str:
         return self.store.sha256(self._rel(rel))
 

@@ -3,6 +3,10 @@
 A generation directory is named ``gen-<next_update, 12 digits>``; its ``manifest.json`` is
 written last and lists every file with its size and sha256. ``latest.json`` at the root
 points at the newest validated generation.
+
+Everything read here may be hostile: parsers raise ``ValidationError`` (never another
+exception), and ``regular_file_size`` refuses, without opening it, anything below a local root
+that is not a regular file (a FIFO would block its reader forever, a link could leave the root).
 """
 
 from __future__ import annotations
@@ -11,10 +15,10 @@ import hashlib
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from ..errors import UnsafeNameError, ValidationError
+from ..errors import UnsafeFileError, UnsafeNameError, ValidationError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -25,10 +29,19 @@ GLOBAL_STATE_FILE = f"{STATE_DIR}/train_state.json"
 METADATA_FILE = f"{DCP_DIR}/.metadata"  # DCP's pickled metadata, written by rank 0
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILES = 1_000_000
+MAX_POINTER_BYTES = 64 << 10  # latest.json is about 200 bytes
+MAX_UNIX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second datetime can show
 PENDING_PREFIX = ".pending-"
 
-_GEN_RE = re.compile(r"^gen-(\d{12})$")
-_SAFE_PART = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.\-]*$")
+# fullmatch, ASCII digits only: "$" would accept a trailing newline and "\d" any Unicode digit
+_GEN_RE = re.compile(r"gen-([0-9]{12})")
+_SAFE_PART = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.\-]*")
+
+
+def _short(value: Any) -> str:
+    """A name from hostile bytes, fit for a message: repr (escapes controls), at most 80."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def generation_name(next_update: int) -> str:
@@ -39,28 +52,56 @@ def generation_name(next_update: int) -> str:
 
 def parse_generation(name: str) -> int | None:
     """The update number of a generation name, or None when ``name`` is not one."""
-    match = _GEN_RE.match(name)
+    match = _GEN_RE.fullmatch(name) if isinstance(name, str) else None
     return int(match.group(1)) if match else None
 
 
 def check_generation_name(name: str) -> int:
+    if not isinstance(name, str):
+        raise UnsafeNameError(f"generation name {_short(name)} is not a string", generation=_short(name))
     if "/" in name or "\\" in name or name in ("", ".", ".."):
-        raise UnsafeNameError(f"unsafe generation name {name!r} (path traversal)", generation=name)
+        raise UnsafeNameError(f"unsafe generation name {_short(name)} (path traversal)", generation=name)
     number = parse_generation(name)
     if number is None:
-        raise UnsafeNameError(f"{name!r} is not a generation name (gen-NNNNNNNNNNNN)",
+        raise UnsafeNameError(f"{_short(name)} is not a generation name (gen-NNNNNNNNNNNN)",
                               generation=name)
     return number
 
 
 def check_relative_path(path: str) -> str:
     """Reject absolute paths, traversal and odd characters in a file name from a manifest."""
+    if not isinstance(path, str):
+        raise UnsafeNameError(f"file name {_short(path)} in manifest is not a string", path=_short(path))
     parts = path.split("/")
     if not path or path.startswith("/") or "\\" in path or any(
-        p in ("", ".", "..") or not _SAFE_PART.match(p) for p in parts
+        p in ("", ".", "..") or not _SAFE_PART.fullmatch(p) for p in parts
     ):
-        raise UnsafeNameError(f"unsafe file name {path!r} in manifest", path=path)
+        raise UnsafeNameError(f"unsafe file name {_short(path)} in manifest", path=path)
     return path
+
+
+def regular_file_size(backend: Any, rel: str, *, generation: str | None = None,
+                      path: str | None = None, limit: int | None = None,
+                      checked_dirs: set[str] | None = None) -> int:
+    """The size of ``rel`` through the store's ``checked_size``: a regular file reached
+    without links (a FIFO is never opened, a link never followed), at most ``limit`` bytes.
+    Raises ``UnsafeFileError`` naming ``path`` (default ``rel``) in ``generation``, or
+    ``FileNotFoundError``. ``checked_dirs`` caches directories a store already found sound."""
+    try:
+        return backend.checked_size(rel, limit=limit, sound_dirs=checked_dirs)
+    except UnsafeFileError as exc:
+        shown = path or rel
+        raise UnsafeFileError(f"{generation + ': ' if generation else ''}{shown}: {exc}",
+                              generation=generation, path=shown) from None
+
+
+def _check_listed_path(path: str, generation: str) -> None:
+    try:
+        check_relative_path(path)
+    except UnsafeNameError as exc:
+        raise UnsafeNameError(f"{generation}: {MANIFEST_NAME} lists unsafe file name {_short(path)} "
+                              "(absolute path, traversal or odd characters)",
+                              generation=generation, path=MANIFEST_NAME) from exc
 
 
 def rank_state_file(rank: int) -> str:
@@ -90,8 +131,8 @@ class Manifest(BaseModel):
     contract_digest: str
     torch_version: str
     dist_ckpt_version: str
-    created_unix: float
-    save_duration_s: float
+    created_unix: float = Field(ge=0, le=MAX_UNIX_TIME, allow_inf_nan=False)  # shown as a date
+    save_duration_s: float = Field(allow_inf_nan=False)
     total_bytes: int = Field(ge=0)
     # object stores have no rename: each save attempt writes below its own data directory
     # so two writers of one generation never mix objects; "" on a POSIX filesystem
@@ -107,28 +148,39 @@ class Manifest(BaseModel):
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, generation: str) -> Manifest:
+        """Parse and check a manifest: any bytes give a ``Manifest`` or a ``ValidationError``
+        naming ``generation`` and its ``manifest.json`` (``UnsafeNameError`` for a file name
+        that could leave the generation)."""
+        where = f"{generation}: {MANIFEST_NAME}"
+
+        def invalid(why: str) -> ValidationError:
+            return ValidationError(f"{where} {why}", generation=generation, path=MANIFEST_NAME)
+
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise ValidationError(f"manifest of {generation} is {len(raw)} bytes, over the bound",
-                                  generation=generation, path=MANIFEST_NAME)
+            raise invalid(f"is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} byte bound")
         try:
             manifest = cls.model_validate_json(raw)
         except PydanticValidationError as exc:
-            raise ValidationError(f"manifest of {generation} is corrupt: {exc.errors()[0]['msg']}",
-                                  generation=generation, path=MANIFEST_NAME) from exc
+            errors = exc.errors()
+            first = errors[0] if errors else {"loc": (), "msg": "unreadable"}
+            field = ascii(".".join(str(part) for part in first["loc"]))[1:-1][:80]  # escapes controls
+            raise invalid(f"is corrupt: {field + ': ' if field else ''}{first['msg']}") from exc
+        except (ValueError, TypeError, RecursionError) as exc:  # whatever the parser did not wrap
+            raise invalid(f"is corrupt: {type(exc).__name__}") from exc
         if manifest.format_version != FORMAT_VERSION:
-            raise ValidationError(
-                f"manifest of {generation} has format {manifest.format_version}, "
-                f"this dist_ckpt reads {FORMAT_VERSION}", generation=generation, path=MANIFEST_NAME)
+            raise invalid(f"has format {manifest.format_version}, this dist_ckpt reads {FORMAT_VERSION}")
         if manifest.generation != generation:
-            raise ValidationError(f"manifest names {manifest.generation!r}, found in {generation!r}",
-                                  generation=generation, path=MANIFEST_NAME)
+            raise invalid(f"names {_short(manifest.generation)}, found in {generation!r}")
         if len(manifest.files) > MAX_FILES:
-            raise ValidationError(f"manifest of {generation} lists too many files",
-                                  generation=generation, path=MANIFEST_NAME)
+            raise invalid(f"lists {len(manifest.files)} files, over the bound of {MAX_FILES}")
+        seen: set[str] = set()
         for entry in manifest.files:
-            check_relative_path(entry.path)
+            _check_listed_path(entry.path, generation)
+            if entry.path in seen:  # two entries for one file: which size and digest is true?
+                raise invalid(f"lists {entry.path} twice")
+            seen.add(entry.path)
         if manifest.data_dir:
-            check_relative_path(manifest.data_dir)
+            _check_listed_path(manifest.data_dir, generation)
         return manifest
 
     def file(self, path: str) -> FileEntry | None:
@@ -137,11 +189,19 @@ class Manifest(BaseModel):
 
 class LatestPointer(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    generation: str
-    manifest_sha256: str
-    manifest_size: int
+    # a generation name, never a path: readers join it to the root
+    generation: str = Field(pattern=r"^gen-[0-9]{12}$")
+    manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    manifest_size: int = Field(ge=0)
     format_version: int
-    next_update: int
+    next_update: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _names_its_update(self) -> LatestPointer:
+        # a pointer whose next_update is not its generation's could hold the pointer back forever
+        if parse_generation(self.generation) != self.next_update:
+            raise ValueError(f"next_update {self.next_update} is not the number of {self.generation}")
+        return self
 
     @staticmethod
     def replaces(current_raw: bytes | None, manifest: Manifest) -> bool:
@@ -152,7 +212,7 @@ class LatestPointer(BaseModel):
             return True
         try:
             current = LatestPointer.model_validate_json(current_raw)
-        except ValueError:
+        except (ValueError, TypeError, RecursionError):
             return True
         return current.next_update <= manifest.next_update
 
@@ -167,6 +227,10 @@ def read_latest_name(backend: Any) -> str | None:
     """The generation ``latest.json`` under ``backend`` names; None when absent or unreadable
     (the pointer is a hint: nothing trusts it over validation)."""
     try:
-        return LatestPointer.model_validate_json(backend.read_bytes(LATEST_NAME)).generation
+        regular_file_size(backend, LATEST_NAME, limit=MAX_POINTER_BYTES)  # a FIFO would block
+        raw = backend.read_bytes(LATEST_NAME)
+        if len(raw) > MAX_POINTER_BYTES:
+            return None
+        return LatestPointer.model_validate_json(raw).generation
     except Exception:  # noqa: BLE001 - missing, unreadable or corrupt: no hint
         return None

@@ -39,17 +39,22 @@ def verify(key: bytes, manifest_raw: bytes, signature_raw: bytes | None, *, gene
         raise SignatureError(f"{generation} is not signed and a signing key is configured",
                               generation=generation, path=SIGNATURE_NAME)
     try:
-        if len(signature_raw) > MAX_SIGNATURE_BYTES:
+        if not isinstance(signature_raw, bytes | bytearray) or len(signature_raw) > MAX_SIGNATURE_BYTES:
             raise ValueError("oversized")
-        record = json.loads(signature_raw)
-        alg, mac, signer = record["alg"], str(record["mac"]), str(record.get("key_id", "?"))
+        record = json.loads(signature_raw)  # non-UTF-8 bytes: UnicodeDecodeError, a ValueError
+        if not isinstance(record, dict):
+            raise TypeError("not a JSON object")
+        alg, mac, signer = record["alg"], record["mac"], record.get("key_id", "?")
+        if not isinstance(alg, str) or not isinstance(mac, str) or not isinstance(signer, str):
+            raise TypeError("alg, mac and key_id are not strings")
         if len(mac) != 64 or not all(c in "0123456789abcdef" for c in mac):
             raise ValueError("the mac is not 64 lowercase hex digits")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        # RecursionError: deeply nested JSON (json.loads recurses once per level)
         raise SignatureError(f"{generation}: {SIGNATURE_NAME} is unreadable",
                               generation=generation, path=SIGNATURE_NAME) from exc
     if alg != "hmac-sha256":
-        raise SignatureError(f"{generation}: unsupported signature algorithm {alg!r}",
+        raise SignatureError(f"{generation}: unsupported signature algorithm {alg[:40]!r}",
                               generation=generation, path=SIGNATURE_NAME)
     expected = hmac.new(key, manifest_raw, hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected.encode("ascii"), mac.encode("ascii")):

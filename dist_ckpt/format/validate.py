@@ -3,6 +3,11 @@
 A generation is trusted only if its manifest parses, names only safe relative paths, lists
 the files every component needs, and every listed file has the recorded size (and, for the
 integrity level, the recorded sha256). Nothing here deserialises a pickle.
+
+Nothing is opened before the store's ``checked_size`` found it a regular file reached without
+links (``regular_file_size``): a FIFO would block its reader forever, a symbolic link (or a
+device behind one) could leave the root or never end. Small files are read only when under
+their bound.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .. import progress
-from ..errors import StorageError, ValidationError
+from ..errors import SignatureError, StorageError, UnsafeFileError, ValidationError
 from ..storage.base import Store, StoreReader
 from .manifest import (
     GLOBAL_STATE_FILE,
     LATEST_NAME,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_POINTER_BYTES,
     PENDING_PREFIX,
     FileEntry,
     LatestPointer,
@@ -25,8 +32,9 @@ from .manifest import (
     check_generation_name,
     parse_generation,
     rank_state_file,
+    regular_file_size,
 )
-from .signing import SIGNATURE_NAME, verify
+from .signing import MAX_SIGNATURE_BYTES, SIGNATURE_NAME, verify
 
 
 @dataclass
@@ -50,7 +58,21 @@ def list_generations(backend: StoreReader) -> list[str]:
 
 
 def list_pending(backend: StoreReader) -> list[str]:
-    return [n for n in backend.listdir("") if n.startswith(PENDING_PREFIX)]
+    """Pending attempt directories, for display: bytes of a name that are not UTF-8 (which
+    the library never writes) are shown as ``\\xNN``, so that the name can be printed."""
+    return [_printable(n) for n in backend.listdir("") if n.startswith(PENDING_PREFIX)]
+
+
+def _printable(name: str) -> str:
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        pass
+    try:  # os.listdir decodes bytes that are not UTF-8 as lone surrogates
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def read_manifest(backend: StoreReader, generation: str, *, key: bytes | None = None) -> Manifest:
@@ -58,17 +80,23 @@ def read_manifest(backend: StoreReader, generation: str, *, key: bytes | None = 
     check_generation_name(generation)
     rel = f"{generation}/{MANIFEST_NAME}"
     try:
+        regular_file_size(backend, rel, generation=generation, path=MANIFEST_NAME,
+                          limit=MAX_MANIFEST_BYTES)
         raw = backend.read_bytes(rel)
     except (FileNotFoundError, StorageError) as exc:
         raise ValidationError(f"{generation} has no manifest (never committed)",
                               generation=generation, path=MANIFEST_NAME) from exc
     manifest = Manifest.from_bytes(raw, generation=generation)
     if key is not None:
+        sig_rel = f"{generation}/{manifest.location(SIGNATURE_NAME)}"
         try:
-            signature: bytes | None = backend.read_bytes(
-                f"{generation}/{manifest.location(SIGNATURE_NAME)}")
+            regular_file_size(backend, sig_rel, generation=generation, path=SIGNATURE_NAME,
+                              limit=MAX_SIGNATURE_BYTES)
+            signature: bytes | None = backend.read_bytes(sig_rel)
         except (FileNotFoundError, StorageError):
             signature = None
+        except UnsafeFileError as exc:  # unreadable, as a signature: signature=True for restore
+            raise SignatureError(str(exc), generation=generation, path=SIGNATURE_NAME) from exc
         verify(key, raw, signature, generation=generation)
     return manifest
 
@@ -76,6 +104,10 @@ def read_manifest(backend: StoreReader, generation: str, *, key: bytes | None = 
 def check_structure(backend: StoreReader, generation: str, *, key: bytes | None = None) -> Manifest:
     manifest = read_manifest(backend, generation, key=key)
     listed = {f.path for f in manifest.files}
+    if manifest.world_size > len(listed):  # before building world_size names
+        raise ValidationError(f"{generation}: {MANIFEST_NAME} says world_size={manifest.world_size} but "
+                              f"lists {len(listed)} files: rank state files are missing",
+                              generation=generation, path=MANIFEST_NAME)
     required = {"dcp/.metadata", GLOBAL_STATE_FILE}
     required |= {rank_state_file(r) for r in range(manifest.world_size)}
     missing = sorted(required - listed)
@@ -105,10 +137,12 @@ def check_entry(generation: str, path: str, entry: FileEntry | None, size: int,
 
 
 def check_sizes(backend: StoreReader, generation: str, manifest: Manifest) -> None:
+    sound: set[str] = set()
     for entry in manifest.files:
         rel = f"{generation}/{manifest.location(entry.path)}"
         try:
-            size = backend.size(rel)
+            size = regular_file_size(backend, rel, generation=generation, path=entry.path,
+                                     checked_dirs=sound)
         except (FileNotFoundError, StorageError) as exc:
             raise ValidationError(f"{generation}: file {entry.path} is missing",
                                   generation=generation, path=entry.path) from exc
@@ -118,10 +152,13 @@ def check_sizes(backend: StoreReader, generation: str, manifest: Manifest) -> No
 def check_digests(backend: StoreReader, generation: str, manifest: Manifest,
                   paths: Iterable[str] | None = None) -> None:
     wanted = None if paths is None else set(paths)
+    sound: set[str] = set()
     for entry in manifest.files:
         if wanted is not None and entry.path not in wanted:
             continue
-        digest = backend.sha256(f"{generation}/{manifest.location(entry.path)}")
+        rel = f"{generation}/{manifest.location(entry.path)}"
+        regular_file_size(backend, rel, generation=generation, path=entry.path, checked_dirs=sound)
+        digest = backend.sha256(rel)
         progress.advance(entry.size)
         check_entry(generation, entry.path, entry, entry.size, digest)
 
@@ -131,9 +168,13 @@ def read_verified(backend: StoreReader, generation: str, manifest: Manifest, pat
     """A small listed file's bytes, returned only if they match its manifest entry: nothing
     parses bytes a digest has not vouched for. ``validated``: the generation was validated
     before, so a mismatch means the file changed since (the error says so)."""
-    raw = backend.read_bytes(f"{generation}/{manifest.location(path)}")
+    rel = f"{generation}/{manifest.location(path)}"
+    entry = manifest.file(path)
     try:
-        check_entry(generation, path, manifest.file(path), len(raw), hashlib.sha256(raw).hexdigest())
+        size = regular_file_size(backend, rel, generation=generation, path=path)
+        check_entry(generation, path, entry, size)  # before reading: never a file of the wrong size
+        raw = backend.read_bytes(rel)
+        check_entry(generation, path, entry, len(raw), hashlib.sha256(raw).hexdigest())
     except ValidationError as exc:
         if not validated:
             raise
@@ -146,9 +187,10 @@ def move_latest(store: Store, manifest: Manifest, raw: bytes) -> None:
     """Point ``latest.json`` at ``manifest``'s generation unless it already points newer.
     The only writer of the pointer, in every tier; call after the generation validated."""
     try:
+        regular_file_size(store, LATEST_NAME, limit=MAX_POINTER_BYTES)  # a FIFO would block
         current: bytes | None = store.read_bytes(LATEST_NAME)
-    except (FileNotFoundError, StorageError):
-        current = None
+    except (FileNotFoundError, StorageError, ValidationError):
+        current = None  # missing, or not a pointer file: replaced
     if not LatestPointer.replaces(current, manifest):
         return
     pointer = LatestPointer.for_manifest(manifest, raw).model_dump_json().encode("utf-8")

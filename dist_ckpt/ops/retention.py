@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .. import logs
+from .. import faults, logs
 from ..errors import StorageError, ValidationError
 from ..format.manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
 from ..format.signing import SIGNATURE_NAME
@@ -35,18 +35,33 @@ def to_drop(names: list[str], *, keep_last: int, pinned: frozenset[str] = frozen
 
 
 def read_pins(backend: Backend) -> dict[str, str]:
-    """Pinned generation -> label; an unreadable pins file pins nothing and says so."""
+    """Pinned generation -> label; an unreadable pins file pins nothing and says so
+    (``StorageError``, whatever the bytes: a FIFO or link is refused unopened, deep nesting,
+    non-UTF-8 bytes and wrong JSON types are corrupt)."""
+    max_bytes = 16 << 20  # a pin is ~50 bytes: far more pins than any root holds generations
     try:
+        backend.checked_size(PINS_NAME, limit=max_bytes)  # a FIFO would block the read
         raw = backend.read_bytes(PINS_NAME)
     except (FileNotFoundError, StorageError):
         return {}
-    try:
-        pins = json.loads(raw)["pins"]
-        for name in pins:
-            check_generation_name(name)
-        return {str(k): str(v) for k, v in pins.items()}
-    except (ValueError, KeyError, TypeError, AttributeError, ValidationError) as exc:
+    except ValidationError as exc:
         raise StorageError(f"{backend.url(PINS_NAME)} is corrupt: {exc}") from exc
+    try:
+        if len(raw) > max_bytes:
+            raise ValueError(f"{len(raw)} bytes, over the {max_bytes} byte bound")
+        pins = json.loads(raw)["pins"]  # non-UTF-8 bytes: UnicodeDecodeError, a ValueError
+        if not isinstance(pins, dict):
+            raise TypeError(f"'pins' is a {type(pins).__name__}, not an object")
+        for name, label in pins.items():
+            check_generation_name(name)
+            if not isinstance(label, str | int | float | bool):
+                raise TypeError(f"the label of {name} is a {type(label).__name__}, not a string")
+            str(label).encode("utf-8")  # a lone surrogate (\ud800) could not even be printed
+        return {str(k): str(v) for k, v in pins.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, ValidationError) as exc:
+        # RecursionError: deeply nested JSON (json.loads recurses once per level)
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise StorageError(f"{backend.url(PINS_NAME)} is corrupt: {why}") from exc
 
 
 @dataclass(frozen=True)
@@ -139,6 +154,7 @@ def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = N
         try:
             plan.multipart_aborted += tier.store.abort_uploads(rel)
             _remove(tier.store, rel)
+            faults.hit("prune.between")
         except OSError as exc:
             log.warning("could not prune %s: %s", rel, exc)
     return plan
@@ -152,4 +168,5 @@ def _remove(store: Store, rel: str) -> None:
             store.remove_tree(f"{rel}/{MANIFEST_NAME}")
         except FileNotFoundError:
             pass
+        faults.hit("prune.manifest_removed")  # half-deleted: no manifest, files remain
     store.remove_tree(rel)

@@ -85,5 +85,6 @@ def loads(raw: bytes, *, what: str = "state file") -> Any:
         raise ValidationError(f"{what} is {len(raw)} bytes, over the {MAX_JSON_BYTES} byte bound")
     try:
         return decode(json.loads(raw.decode("utf-8")))
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+            RecursionError) as exc:  # deep nesting is corrupt input, not a crash
         raise ValidationError(f"{what} is not valid: {exc}") from exc

@@ -34,6 +34,7 @@ from ..restart import contract as contract_mod
 from ..restart.state import TrainState
 from ..storage.base import StoreReader
 from ..tiers.base import CommitTier
+from .layout import check_layout
 
 
 @dataclass
@@ -55,16 +56,17 @@ class RestoreResult:
 
 
 def select_generation(comm: Comm, tiers: list[CommitTier], *, digests: bool = True,
-                     key: bytes | None = None
+                     key: bytes | None = None, skip: frozenset[tuple[str, str]] = frozenset()
                      ) -> tuple[str | None, Manifest | None, CommitTier | None, list[Problem]]:
     """The newest generation that validates in any tier (local first, then the mirror); with
-    ``key``, only signed manifests validate."""
+    ``key``, only signed manifests validate. ``skip`` holds (generation, tier url) pairs
+    already rejected by this restore."""
     rejected: list[Problem] = []
     listings = comm.broadcast([_listing(t.store) for t in tiers] if comm.rank == 0 else None)
     names = sorted(set().union(*listings), key=parse_generation, reverse=True)
     for name in names:
         for tier, listing in zip(tiers, listings, strict=True):
-            if name not in listing:
+            if name not in listing or (name, tier.url) in skip:
                 continue
             verdict = validate_everywhere(comm, tier.store, name, digests=digests, key=key)
             if isinstance(verdict, Problem):
@@ -169,6 +171,7 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest, templ
     ``ValidationError`` naming each failing rank's file."""
     reader = tier.open_reader(name, manifest, scratch_parent)
     try:
+        check_layout(name, reader.read_metadata(), template)  # before anything is written into
         if comm.distributed:
             dcp.load(template, storage_reader=reader.storage_reader, process_group=comm.group)
         else:

@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..errors import DistCkptError, StorageError, ValidationError
+from ..errors import DistCkptError, LayoutMismatch, StorageError, ValidationError
 from ..format.manifest import Manifest, rank_state_file
 from ..format.validate import read_verified
 from ..restart import codec, rng
 from ..restart import contract as contract_mod
 from ..storage.base import Backend
 from ..tiers.base import CommitTier
+from .layout import check_layout
 from .loader import (
     load_generation,
     select_generation,
@@ -137,25 +137,23 @@ def _check_contract(mgr: CheckpointManager, manifest: Manifest) -> None:
 def _check_tensors(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: Manifest) -> None:
     reader = tier.open_reader(name, manifest, mgr.config.cache_dir)
     try:
-        saved = reader.read_metadata().state_dict_metadata
+        metadata = reader.read_metadata()
     finally:
         reader.close()
-    expected, _ = flatten_state_dict(mgr.state.tensor_state())
-    for key, value in sorted(expected.items()):
-        if not isinstance(value, torch.Tensor):
-            continue
-        component = COMPONENT_OF_PREFIX.get(key.split(".", 1)[0], "model")
-        entry = saved.get(key)
-        if not isinstance(entry, TensorStorageMetadata):
-            raise RehearsalFailed(name, component, f"{key} is missing from the generation")
-        if tuple(entry.size) != tuple(value.shape):
-            raise RehearsalFailed(name, component, f"{key} has shape {tuple(entry.size)} in the "
-                                                   f"generation, {tuple(value.shape)} in the job")
-    extra = sorted(k for k, v in saved.items() if isinstance(v, TensorStorageMetadata) and k not in expected)
-    if extra:
-        component = COMPONENT_OF_PREFIX.get(extra[0].split(".", 1)[0], "model")
-        raise RehearsalFailed(name, component, f"the generation holds {extra[0]} (and {len(extra) - 1} "
-                                               f"more) that the job's objects do not have")
+    try:
+        check_layout(name, metadata, mgr.state.tensor_state())
+    except LayoutMismatch as exc:
+        if exc.missing:
+            key, reason = exc.missing[0], f"{exc.missing[0]} is missing from the generation"
+        elif exc.mismatched:
+            key = sorted(exc.mismatched)[0]
+            saved, current = exc.mismatched[key]
+            reason = f"{key} has shape {saved} in the generation, {current} in the job"
+        else:
+            key = exc.unexpected[0]
+            reason = (f"the generation holds {key} (and {len(exc.unexpected) - 1} more) that the "
+                      "job's objects do not have")
+        raise RehearsalFailed(name, COMPONENT_OF_PREFIX.get(key.split(".", 1)[0], "model"), reason) from exc
 
 
 def _check_rng(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:

@@ -3,18 +3,38 @@
 Call order (all ranks, main thread, on the checkpoint group): ``select_generation`` (every
 rank agrees on the generation and the rejections); a signing key that rejects everything
 stops here; the leader of each filesystem group moves rejected generations newer than the
-chosen one aside; rank 0 checks the latest pointer (broadcast); ``load_generation``; rank 0
-logs the outcome; every rank tells the launcher where it resumed from.
+chosen one aside; rank 0 checks the latest pointer (broadcast); ``load_generation`` and one
+all-gather of its verdict: a file that changed after validation (on any rank) rejects that
+generation and the next one is selected and loaded, within the same call; rank 0 logs the
+outcome; every rank tells the launcher where it resumed from.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .. import events, runinfo
-from ..errors import UntrustedGenerations
-from ..format.manifest import LATEST_NAME, MANIFEST_NAME, read_latest_name
+from .. import events, faults, runinfo
+from ..errors import (
+    StorageError,
+    UnsafeFileError,
+    UnsafeNameError,
+    UntrustedGenerations,
+    ValidationError,
+)
+from ..format.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_POINTER_BYTES,
+    LatestPointer,
+    Manifest,
+    check_generation_name,
+)
+from ..format.validate import Problem
+from ..tiers.base import CommitTier
 from . import quarantine
 from .loader import RestoreResult, load_generation, select_generation
 
@@ -25,8 +45,10 @@ if TYPE_CHECKING:
 def resume(mgr: CheckpointManager, components: Iterable[str] | None,
            allow_contract_change: bool | None, verify_digests: bool) -> RestoreResult:
     tiers = [mgr.tier] + ([mgr.mirror_tier] if mgr.mirror_tier is not None else [])
-    name, manifest, tier, rejected = select_generation(mgr.comm, tiers, digests=verify_digests,
-                                                          key=mgr.config.signing_key)
+    select = functools.partial(select_generation, mgr.comm, tiers, digests=verify_digests,
+                               key=mgr.config.signing_key)
+    name, manifest, tier, rejected = select()
+    faults.hit("restore.selected", mgr.comm.rank)
     if name is None and rejected and all(p.signature for p in rejected) \
             and mgr.config.key_rejects_all_raises:
         raise UntrustedGenerations(
@@ -34,33 +56,75 @@ def resume(mgr: CheckpointManager, components: Iterable[str] | None,
             f"({len(rejected)}; first: {rejected[0]}); a fresh start would discard them")
     quarantine.move_blocking(mgr.comm, mgr.tier, rejected, name)
     notes = mgr.comm.broadcast(pointer_warnings(mgr) if mgr.comm.rank == 0 else None)
-    if name is None or manifest is None or tier is None:
-        runinfo.report(mgr.comm.rank, resumed_from=None, next_update=0,
-                       rejected=[str(p) for p in rejected])
-        result = RestoreResult(rejected=rejected, warnings=notes)
-        if mgr.comm.rank == 0:
-            events.log_restore(result, None)
-        return result
     allow = mgr.config.allow_contract_change if allow_contract_change is None \
         else allow_contract_change
-    result = load_generation(
-        mgr.comm, tier, mgr.state, name, manifest,
-        mgr.state.components if components is None else components,
-        allow_contract_change=allow, strict_torch_version=mgr.config.strict_torch_version,
-        scratch_parent=mgr.config.cache_dir)
-    result.rejected = rejected
-    result.warnings = notes + result.warnings
+    wanted = mgr.state.components if components is None else components
+    result, late = None, []
+    while name is not None and manifest is not None and tier is not None:
+        faults.hit("restore.before_load", mgr.comm.rank)
+        result, problem = _load_agreed(mgr, tier, name, manifest, wanted, allow)
+        if problem is None:
+            break
+        # its bytes changed after validation: rejected like any other, and the next one tried
+        late.append(problem)
+        name, manifest, tier, more = select(skip=frozenset((p.generation, p.tier or "") for p in late))
+        late += more
+    if late:
+        rejected += late
+        quarantine.move_blocking(mgr.comm, mgr.tier, late, name)
+    if result is None or tier is None:
+        result = RestoreResult(rejected=rejected, warnings=notes)
+        resumed_from = None
+    else:
+        result.rejected, result.warnings = rejected, notes + result.warnings
+        resumed_from = name
     if mgr.comm.rank == 0:
-        events.log_restore(result, tier.url)
-    runinfo.report(mgr.comm.rank, resumed_from=name, next_update=result.next_update,
+        events.log_restore(result, tier.url if resumed_from is not None and tier is not None else None)
+    runinfo.report(mgr.comm.rank, resumed_from=resumed_from, next_update=result.next_update,
                    rejected=[str(p) for p in rejected])
     return result
 
 
+def _load_agreed(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: Manifest,
+                 components: Iterable[str], allow: bool) -> tuple[RestoreResult | None, Problem | None]:
+    """``load_generation`` on every rank, then one all-gather: a file that changed after
+    validation on any rank fails the generation on all of them (never a mixed load)."""
+    result, problem = None, None
+    try:
+        result = load_generation(
+            mgr.comm, tier, mgr.state, name, manifest, components, allow_contract_change=allow,
+            strict_torch_version=mgr.config.strict_torch_version, scratch_parent=mgr.config.cache_dir)
+    except ValidationError as exc:
+        problem = Problem(name, str(exc), exc.path, tier=tier.url)
+    problems = [p for p in mgr.comm.all_gather(problem) if p is not None]
+    return (None, problems[0]) if problems else (result, None)
+
+
 def pointer_warnings(mgr: CheckpointManager) -> list[str]:
-    """Rank 0: a latest pointer naming a generation that is not there is worth a warning
-    (restore never trusts the pointer, but a person reading the root does)."""
-    pointed = read_latest_name(mgr.backend)
-    if pointed is None or mgr.backend.exists(f"{pointed}/{MANIFEST_NAME}"):
+    """Rank 0: a latest pointer that is corrupt, names a missing generation or does not match
+    its manifest is worth a warning (restore never trusts the pointer, but a person reading
+    the root does)."""
+    store, root = mgr.backend, mgr.config.root
+    try:
+        store.checked_size(LATEST_NAME, limit=MAX_POINTER_BYTES)  # never a FIFO or a link
+        raw = store.read_bytes(LATEST_NAME)
+    except (FileNotFoundError, StorageError):
         return []
-    return [f"{LATEST_NAME} points at {pointed}, which is missing under {mgr.config.root}"]
+    except ValidationError as exc:
+        return [f"{LATEST_NAME} under {root} is unusable ({exc}); the generation was chosen by "
+                "validation, as always"]
+    try:
+        pointer = LatestPointer.model_validate_json(raw)
+        check_generation_name(pointer.generation)  # a name from a file: never a path
+        rel = f"{pointer.generation}/{MANIFEST_NAME}"
+        store.checked_size(rel, limit=MAX_MANIFEST_BYTES)
+        manifest_raw = store.read_bytes(rel)
+    except (ValueError, UnsafeNameError, UnsafeFileError) as exc:
+        return [f"{LATEST_NAME} under {root} is corrupt ({type(exc).__name__}); the generation "
+                "was chosen by validation, as always"]
+    except (FileNotFoundError, StorageError, OSError):
+        return [f"{LATEST_NAME} points at {pointer.generation}, which is missing under {root}"]
+    if hashlib.sha256(manifest_raw).hexdigest() != pointer.manifest_sha256:
+        return [f"{LATEST_NAME} under {root} does not match the manifest of {pointer.generation} "
+                "(damaged pointer or replaced manifest); the generation was chosen by validation"]
+    return []

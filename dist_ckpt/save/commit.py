@@ -46,6 +46,7 @@ def collect_reports(request: SaveRequest, comm: Comm,
 def commit(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> CommitOutcome:
     """Publish the generation if every rank reported in time; returns the outcome."""
     reports, failures = collect_reports(request, comm, commit_timeout_s)
+    faults.hit("commit.collected", comm.rank)
     attempt = request.attempt
     manifest_raw = None
     metadata: list[dict] = []

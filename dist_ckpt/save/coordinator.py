@@ -95,6 +95,7 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int) -> tuple[
         raise
     entries = [{"path": f"{DCP_DIR}/{name}", "size": size, "sha256": digest, "rank": rank}
                for name, (size, digest) in sorted(filesystem.digests.items())]
+    faults.hit("write.shards_written", rank)  # mid-write: shards on disk, state files not yet
     state_files = [(rank_state_file(rank), request.rank_state)]
     if request.global_state is not None:
         state_files.append((GLOBAL_STATE_FILE, request.global_state))
@@ -128,6 +129,7 @@ def _write_and_report(request: SaveRequest, comm: Comm, io_threads: int, job: Sa
         traceback.print_exc()
     faults.hit("report.before", comm.rank)
     messages.post(comm, messages.report_key(request.generation, request.attempt_id, comm.rank), report)
+    faults.hit("report.after", comm.rank)
     return report
 
 

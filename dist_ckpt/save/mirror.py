@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import logs
+from .. import faults, logs
 from ..errors import DistCkptError, StorageError
 from ..format.manifest import Manifest
 from ..protocol import messages
@@ -186,6 +186,7 @@ class MirrorUploader:
         try:
             if not self._wait_local(generation):
                 raise DistCkptError(f"{generation} never completed locally on this rank")
+            faults.hit("mirror.upload", self.comm.rank)
             attempt.put_files([f.model_dump() for f in manifest.files if f.rank == self.comm.rank])
             report = MirrorReport(True)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the upload
@@ -214,6 +215,7 @@ class MirrorUploader:
         try:
             if errors:
                 raise DistCkptError(f"mirror upload of {generation} failed: {errors}")
+            faults.hit("mirror.before_publish", self.comm.rank)
             attempt.publish(manifest, self.signing_key)
             self.stats.completed.append(generation)
             self._record(completed=manifest)

@@ -28,6 +28,12 @@ class StoreReader(Protocol):
 
     def size(self, rel: str) -> int: ...
 
+    def checked_size(self, rel: str, *, limit: int | None = None,
+                     sound_dirs: set[str] | None = None) -> int:
+        """The size of ``rel`` if it is a regular file reached without following a link (no
+        FIFO or device is ever opened) and at most ``limit`` bytes; else ``UnsafeFileError``.
+        ``FileNotFoundError`` when missing. ``sound_dirs``: a cache of directories found sound."""
+
     def sha256(self, rel: str) -> str: ...
 
     def tree_size(self, rel: str) -> int:

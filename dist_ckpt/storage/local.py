@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import uuid
-from typing import IO
+from typing import IO, BinaryIO
 
-from ..errors import StorageError
+from ..errors import StorageError, UnsafeFileError
 
 HASH_CHUNK = 8 << 20
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISDIR, "a directory"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
 
 
 def fsync_file(path: str) -> None:
@@ -54,10 +64,25 @@ def write_durable(path: str, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
+def open_regular(path: str) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file, never following a final link
+    and never blocking on a FIFO (checked on the open descriptor: no window after a check)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeFileError(f"{path} is {_kind(mode)}, not a regular file (refused)")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def file_sha256(path: str) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as handle:
+    with open_regular(path) as handle:
         while chunk := handle.read(HASH_CHUNK):
             digest.update(chunk)
             size += len(chunk)
@@ -86,11 +111,42 @@ class LocalBackend:
             raise StorageError(f"no such directory: {self._path(rel)}") from exc
 
     def read_bytes(self, rel: str) -> bytes:
-        with open(self._path(rel), "rb") as handle:
-            return handle.read()
+        try:
+            with open_regular(self._path(rel)) as handle:
+                return handle.read()
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+                raise UnsafeFileError(f"{self._path(rel)} is a symbolic link (refused)") from exc
+            raise
 
     def size(self, rel: str) -> int:
         return os.path.getsize(self._path(rel))
+
+    def checked_size(self, rel: str, *, limit: int | None = None,
+                     sound_dirs: set[str] | None = None) -> int:
+        # lstat of every component below the root: the library writes neither links nor
+        # special files, a FIFO would block its reader and a link can leave the root
+        parts = [p for p in rel.split("/") if p]
+        current = self.root
+        for index, part in enumerate(parts):
+            current = os.path.join(current, part)
+            last = index == len(parts) - 1
+            if not last and sound_dirs is not None and current in sound_dirs:
+                continue
+            mode = os.lstat(current)
+            if last and stat.S_ISREG(mode.st_mode):
+                if limit is not None and mode.st_size > limit:
+                    raise UnsafeFileError(f"{mode.st_size} bytes, over the {limit} byte bound "
+                                          "(refused unread)")
+                return mode.st_size
+            if not last and stat.S_ISDIR(mode.st_mode):
+                if sound_dirs is not None:
+                    sound_dirs.add(current)
+                continue
+            where = "" if last else f"{'/'.join(parts[:index + 1])} "
+            raise UnsafeFileError(f"{where}is {_kind(mode.st_mode)}, not a "
+                                  f"{'regular file' if last else 'directory'} (refused unopened)")
+        raise UnsafeFileError("is the root itself, not a file")
 
     def sha256(self, rel: str) -> str:
         return file_sha256(self._path(rel))[1]
@@ -107,7 +163,7 @@ class LocalBackend:
             shutil.rmtree(path, ignore_errors=True)
 
     def open_read(self, rel: str) -> IO[bytes]:
-        return open(self._path(rel), "rb")
+        return open_regular(self._path(rel))
 
     def put_bytes(self, rel: str, data: bytes) -> None:
         """Replace a small file atomically and durably."""

@@ -92,6 +92,7 @@ class ObjectStoreAttempt:
         except FileExistsError as exc:
             raise GenerationExists(f"{self.generation} already exists under {store.root} "
                                    "(another writer committed it)") from exc
+        faults.hit("commit.after_rename", 0)
         check_structure(store, self.generation, key=signing_key)
         check_sizes(store, self.generation, manifest)
         move_latest(store, manifest, raw)

@@ -53,6 +53,7 @@ class RenameAttempt:
     def publish(self, manifest: Manifest, signing_key: bytes | None) -> bytes:
         raw = manifest.to_bytes()
         self._rename_into_place(raw, signing_key)
+        faults.hit("commit.after_rename", 0)
         local_ranks = self.tier.local_ranks
         on_this_node = [f for f in manifest.files if local_ranks is None or f.rank in local_ranks]
         check_sizes(self.tier.store, self.generation,
@@ -123,7 +124,12 @@ class RenameTier:
         remove_stale_pending(self.root)
 
     def debris(self, committed: dict[str, Manifest], uncommitted: list[str]) -> list[str]:
-        return []  # a rename leaves no partial generation; damaged ones are moved aside
+        """A rename leaves no partial generation, but a prune cut short leaves one without its
+        manifest (removed first): older than the newest committed, the next prune finishes it."""
+        if not committed:
+            return []
+        newest = max(parse_generation(name) or 0 for name in committed)
+        return [name for name in uncommitted if (parse_generation(name) or 0) < newest]
 
     def move_aside(self, problem: Problem) -> str | None:
         if parse_generation(problem.generation) is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -18,10 +19,44 @@ def _latest(root: str) -> bytes:
         return handle.read()
 
 
-def _timed_save(mgr, update: int) -> float:
-    started = time.perf_counter()
-    mgr.save(update)
-    return time.perf_counter() - started
+def _save_in_flight(mgr, update: int):
+    """save(); returns the job and whether it was still in flight when save() returned. The
+    scenarios hold a peer's writer (a blocked fault point) until after this returns, so a
+    save() that waited for the commit could not return with its job in flight."""
+    job = mgr.save(update)
+    return job, job is not None and not job.done.is_set()
+
+
+def _parked_in_save(thread_id: int) -> bool:
+    """Whether thread ``thread_id`` waits on an event or condition called by
+    ``CheckpointManager.save`` (the in-flight wait of the ``block`` policy)."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None or not frame.f_code.co_filename.endswith("threading.py"):
+        return False
+    while frame is not None and frame.f_code.co_filename.endswith("threading.py"):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "save" \
+        and frame.f_code.co_filename.endswith("manager.py")
+
+
+def _release_when_parked(name: str, thread_id: int, returned: threading.Event,
+                         out: dict) -> threading.Thread:
+    """Release block ``name`` once ``thread_id`` is parked in save()'s in-flight wait (or once
+    save() returned without parking: ``out["parked"]`` stays False)."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 120.0
+        while not returned.is_set() and time.monotonic() < deadline:
+            if _parked_in_save(thread_id):
+                out["parked"] = True
+                break
+            returned.wait(0.01)
+        faults.release(name)
+
+    out["parked"] = False
+    thread = threading.Thread(target=run, name=f"release-{name}", daemon=True)
+    thread.start()
+    return thread
 
 
 def _expect_failure(mgr) -> tuple[str | None, dict[int, str], float]:
@@ -33,7 +68,10 @@ def _expect_failure(mgr) -> tuple[str | None, dict[int, str], float]:
     raise AssertionError("expected a CommitError")
 
 
-def slow_and_failing_ranks(rank: int, world: int, root: str) -> dict:
+def slow_and_failing_ranks(rank: int, world: int, root: str, fault_dir: str) -> dict:
+    """Rank 1's writer (or report) is held at a blocked fault point that rank 0 releases only
+    after its own save() returned (and, for a late rank, after the deadline failed the
+    generation): ordering by events, never by a delay being long enough."""
     job = workers.build("fsdp", rank, world)
     mgr = workers.manager(job, root, async_save=True, max_in_flight=1, commit_timeout_s=DEADLINE_S)
     out: dict = {}
@@ -41,39 +79,66 @@ def slow_and_failing_ranks(rank: int, world: int, root: str) -> dict:
     mgr.save(1)
     mgr.wait()
 
-    faults.configure({"write.before": {"rank": 1, "delay_s": 1.5}})  # below the deadline
+    def held(point: str, name: str, **more) -> None:
+        faults.configure({point: {"rank": 1, "block": name, "block_timeout_s": 90, **more}},
+                         fault_dir=fault_dir)
+
+    held("write.before", "below")  # slow, released before the deadline
     workers.train_step(job)
-    out["below_blocked_s"] = _timed_save(mgr, 2)
+    _, out["below_in_flight"] = _save_in_flight(mgr, 2)
+    if rank == 0:
+        faults.wait_reached("below", rank=1, fault_dir=fault_dir)
+        faults.release("below", fault_dir=fault_dir)
     mgr.wait()
     latest_before = _latest(root) if rank == 0 else b""
 
-    faults.configure({"write.before": {"rank": 1, "delay_s": DEADLINE_S + 2}})  # above it
+    held("write.before", "above")  # released only once the deadline failed the generation
     workers.train_step(job)
-    out["above_blocked_s"] = _timed_save(mgr, 3)
+    started = time.perf_counter()
+    _, out["above_in_flight"] = _save_in_flight(mgr, 3)
+    if rank == 0:
+        faults.wait_reached("above", rank=1, fault_dir=fault_dir)
     out["above"] = _expect_failure(mgr)
+    out["above_since_save_s"] = time.perf_counter() - started
     if rank == 0:
         out["latest_unchanged"] = _latest(root) == latest_before
         out["entries_after_above"] = sorted(os.listdir(root))
+        faults.release("above", fault_dir=fault_dir)
 
     faults.configure(None)
     workers.train_step(job)
     mgr.save(4)
     mgr.wait()
 
-    faults.configure({"write.before": {"rank": 1, "raise": True}})  # crashed writer
+    held("write.before", "crash", **{"raise": True})  # crashed writer (after rank 0's save returned)
     workers.train_step(job)
-    out["crash_blocked_s"] = _timed_save(mgr, 5)
+    _, out["crash_in_flight"] = _save_in_flight(mgr, 5)
+    if rank == 0:
+        faults.wait_reached("crash", rank=1, fault_dir=fault_dir)
+        faults.release("crash", fault_dir=fault_dir)
     out["crash"] = _expect_failure(mgr)
 
-    faults.configure({"report.before": {"rank": 1, "delay_s": DEADLINE_S + 2}})  # missing report
+    held("report.before", "missing")  # the report is held until the deadline failed it
     workers.train_step(job)
-    out["missing_blocked_s"] = _timed_save(mgr, 6)
+    saved, out["missing_in_flight"] = _save_in_flight(mgr, 6)
+    releaser = None
+    if rank == 0:
+        faults.wait_reached("missing", rank=1, fault_dir=fault_dir)
+
+        def release_after_deadline() -> None:  # rank 0's main thread waits inside save(7)
+            saved.done.wait()
+            faults.release("missing", fault_dir=fault_dir)
+
+        releaser = threading.Thread(target=release_after_deadline, daemon=True)
+        releaser.start()
     workers.train_step(job)
     try:  # the failure surfaces at the next save() on every rank, which does not save
         mgr.save(7)
         out["next_save_raised"] = None
     except CommitError as exc:
         out["next_save_raised"] = (exc.generation, exc.failures)
+    if releaser is not None:
+        releaser.join()
     faults.configure(None)
     mgr.save(8)
     mgr.wait()
@@ -89,28 +154,39 @@ def _local_state_bytes(job: workers.Job) -> int:
 
 
 def in_flight_bound(rank: int, world: int, root: str) -> dict:
+    """Every rank's writers are held at ``write.before`` (a blocked point of this process):
+    the first save is in flight for as long as the scenario needs. With ``block`` the second
+    save() must park in the in-flight wait; the writer is released only once it has."""
     out: dict = {}
-    faults.configure({"write.before": {"delay_s": 1.5}})  # a slow writer on every rank
     for policy, slots in (("block", 1), ("skip", 1), ("block", 2)):
+        name = f"{policy}{slots}"
+        faults.configure({"write.before": {"block": name}})
         job = workers.build("fsdp", rank, world)
-        sub = os.path.join(root, f"{policy}{slots}")
+        sub = os.path.join(root, name)
         mgr = workers.manager(job, sub, async_save=True, max_in_flight=slots, in_flight_policy=policy)
         workers.train_step(job)
-        first = _timed_save(mgr, 1)
+        first, first_in_flight = _save_in_flight(mgr, 1)
+        faults.wait_reached(name)  # the first save's writer is held: it cannot finish
         workers.train_step(job)
-        started = time.perf_counter()
+        result: dict = {"first_in_flight": first_in_flight}
+        returned = threading.Event()
+        releaser = None
+        if policy == "block" and slots == 1:
+            releaser = _release_when_parked(name, threading.get_ident(), returned, result)
         second = mgr.save(2)
-        out[(policy, slots)] = {
-            "first_s": first, "second_s": time.perf_counter() - started,
-            "second_skipped": second is None, "skipped": mgr.stats.skipped,
-            "peak": mgr.staging.peak_bytes, "allocations": mgr.staging.allocations,
-            "state_bytes": _local_state_bytes(job),
-        }
+        returned.set()
+        result.update(first_done_at_second=first.done.is_set(), second_skipped=second is None,
+                      skipped=mgr.stats.skipped, peak=mgr.staging.peak_bytes,
+                      allocations=mgr.staging.allocations, state_bytes=_local_state_bytes(job))
+        if releaser is not None:
+            releaser.join()
+        faults.release(name)
+        out[(policy, slots)] = result
         mgr.wait()
         out[(policy, slots)]["committed"] = sorted(
             g.name for g in mgr.generations() if g.state == "committed")
         mgr.close()
-    faults.configure(None)
+        faults.configure(None)
     return out
 
 
@@ -164,7 +240,7 @@ def close_leaves_no_threads(rank: int, world: int, root: str) -> dict:
                     "jobs": len(mgr._jobs), "group_released": mgr.comm.group is None}
 
     mgr = workers.manager(job, os.path.join(root, "late"), async_save=True, close_timeout_s=0.2)
-    faults.configure({"write.before": {"delay_s": 1.5}})
+    faults.configure({"write.before": {"block": "late"}})  # held until close() has returned
     try:
         workers.train_step(job)
         late = mgr.save(1)
@@ -174,6 +250,7 @@ def close_leaves_no_threads(rank: int, world: int, root: str) -> dict:
         except CommitError as exc:
             out["late_raised"] = str(exc)
         out["late_still_listed"] = [j.request.generation for j in mgr._jobs]
+        faults.release("late")
         late.thread.join()  # this test's process must not exit under it
     finally:
         faults.configure(None)

@@ -14,7 +14,7 @@ import tempfile
 import threading
 from typing import IO
 
-from dist_ckpt.errors import GenerationExists, StorageError
+from dist_ckpt.errors import GenerationExists, StorageError, UnsafeFileError
 from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest, parse_generation
 from dist_ckpt.format.signing import SIGNATURE_NAME, sign
 from dist_ckpt.format.validate import Problem, check_sizes, check_structure, move_latest
@@ -67,6 +67,13 @@ class MemoryStore:
 
     def size(self, rel: str) -> int:
         return len(self.read_bytes(rel))
+
+    def checked_size(self, rel: str, *, limit: int | None = None,
+                     sound_dirs: set[str] | None = None) -> int:
+        size = self.size(rel)
+        if limit is not None and size > limit:
+            raise UnsafeFileError(f"{size} bytes, over the {limit} byte bound")
+        return size
 
     def sha256(self, rel: str) -> str:
         import hashlib

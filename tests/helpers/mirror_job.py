@@ -1,16 +1,19 @@
 """A single-rank job with a local root and an S3 mirror (run as a subprocess by the tests).
 
 Usage: python -m tests.helpers.mirror_job ROOT MIRROR UPDATE [UPDATE ...]
-Faults come from DIST_CKPT_FAULTS. Prints one JSON line of figures before exiting.
+Faults come from DIST_CKPT_FAULTS; a block named by MIRROR_JOB_HOLD (a fault point the
+uploader reaches) is released after the last save, and the figures say whether every save
+returned while it was held. Prints one JSON line of figures before exiting.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
-from dist_ckpt import CheckpointConfig, CheckpointManager
+from dist_ckpt import CheckpointConfig, CheckpointManager, faults
 from tests.helpers.local_jobs import make_state, step
 
 
@@ -27,8 +30,13 @@ def main() -> None:
             mgr.save(update)
             blocking.append(time.perf_counter() - started)
             mgr.wait()
+        hold = os.environ.get("MIRROR_JOB_HOLD")
+        held_throughout = bool(hold) and bool(faults.reached(hold))  # the uploader is still held
+        if hold:
+            faults.release(hold)
         stats = mgr.uploader.stats
-    print(json.dumps({"blocking": blocking, "skipped": stats.skipped, "completed": stats.completed,
+    print(json.dumps({"blocking": blocking, "saves_while_held": held_throughout,
+                      "skipped": stats.skipped, "completed": stats.completed,
                       "failed": sorted(stats.failed), "max_queue": stats.max_queue,
                       "max_uploading": stats.max_uploading}))
 

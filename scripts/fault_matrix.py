@@ -1,0 +1,188 @@
+"""The fault-injection matrix: run it (or a named subset) and print one table.
+
+Usage: .venv/bin/python scripts/fault_matrix.py [ROW-SUBSTRING ...] [--json] [--list]
+
+Each row names the tests under ``tests/faults/`` that inject that fault. The script runs
+them in one pytest session with ``DIST_CKPT_FAULT_REPORT`` set (the tests append what they
+observed and how long detection and recovery took, see ``tests/helpers/matrix.py``), then
+prints, per row: fault, injection point, expected, observed, pass/fail, time to detect,
+time to recover. ``--json`` prints the same rows as JSON. The exit status is 0 only when
+every selected row passed. Not part of the test run (the tests themselves run in CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+F = "tests/faults"
+
+
+@dataclass
+class Row:
+    fault: str
+    injection: str
+    expected: str
+    tests: list[str]
+    observed: str = ""
+    result: str = "not run"
+    detect_s: float | None = None
+    recover_s: float | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+ROWS = [
+    Row("missing shard at save", "one rank writes nothing / its report never arrives (blocked point)",
+        "no manifest; previous latest untouched; every rank raises CommitError naming the rank",
+        [f"{F}/test_ranks.py::test_slow_late_crashed_and_missing_ranks"]),
+    Row("missing shard after commit", "a shard file deleted",
+        "verify exits 1 naming the file; restore falls back and lists the reason",
+        [f"{F}/test_corruption.py::test_missing_shard_after_commit"]),
+    Row("slow rank under / over the deadline", "delay inside one rank's writer",
+        "commits late / fails cleanly; the next save commits in the same processes",
+        [f"{F}/test_ranks.py::test_slow_late_crashed_and_missing_ranks"]),
+    Row("rank SIGKILLed at each phase", "staging, start of write, mid-write, before / after its report",
+        "no survivor held past the deadline; previous generation restores; orphan removed",
+        [f"{F}/test_kill.py::test_rank_killed_at_each_phase"]),
+    Row("rank 0 SIGKILLed during the commit", "collected, before manifest, before / after rename, "
+        "before latest", "a restart sees the old or the new generation, complete, never a mix",
+        [f"{F}/test_kill.py::test_rank0_killed_at_each_commit_point"]),
+    Row("power loss at every persistence point", "FUSE power-loss filesystem: cut after each "
+        "fsync / rename / directory fsync of a save",
+        "restore yields a complete, verified generation, at least the last save that returned",
+        [f"{F}/test_power_loss.py", f"{F}/test_powerfs.py"]),
+    Row("disk full", "small quota: free-space preflight and ENOSPC mid-write",
+        "the save fails with the cause; older generations intact; retention prunes nothing",
+        [f"{F}/test_disk_full.py"]),
+    Row("corrupted bytes", "bit flip and truncation in a shard, manifest.json, .metadata, state "
+        "files, latest.json", "a clear error naming the file; fallback; never a silent load",
+        [f"{F}/test_corruption.py::test_damaged_file_is_named_and_skipped",
+         f"{F}/test_corruption.py::test_damaged_latest_pointer_is_a_warning_not_a_choice",
+         f"{F}/test_local_faults.py::test_corrupt_newest_shard_falls_back"]),
+    Row("latest pointer to a missing generation", "generation directory removed",
+        "fallback to the newest valid one, with a warning; never a silent fresh start",
+        [f"{F}/test_corruption.py::test_latest_pointer_to_a_missing_generation"]),
+    Row("concurrent writers on one root", "two jobs, same root, same and different generations; "
+        "two attempts of one generation in every tier", "the loser gets GenerationExists; nothing mixed",
+        [f"{F}/test_prune_and_writers.py::test_two_jobs_on_one_root",
+         f"{F}/test_object_store_faults.py::test_two_writers_one_generation",
+         "tests/test_tiers.py::test_concurrent_writers_one_wins_nothing_mixes"]),
+    Row("partial remote upload", "uploader killed mid-upload; truncated object",
+        "not recorded as remote-complete; restore from the mirror takes the previous one",
+        [f"{F}/test_partial_upload.py"]),
+    Row("crash during prune", "SIGKILL after a manifest removal / between two deletions",
+        "every kept generation valid; the half-deleted one never listed as committed",
+        [f"{F}/test_prune_and_writers.py::test_prune_killed_mid_way"]),
+    Row("changed world size", "save at N ranks, restore at M",
+        "gathered tensors bitwise equal; sampler exactly-once",
+        [f"{F}/test_world_size.py"]),
+    Row("changed model contract", "parameter renamed / added / removed, shape or dtype, config digest",
+        "refused before anything is mutated, listing missing / unexpected / mismatched keys",
+        [f"{F}/test_contract_change.py"]),
+    Row("object swapped after validation", "a shard, .metadata or state file replaced between "
+        "selection and load", "never deserialised; falls back to the previous generation in the same call",
+        [f"{F}/test_object_store_faults.py::test_object_swapped_after_validation_is_never_deserialised"]),
+    Row("hostile inputs", "traversal, links, FIFOs, huge sizes, wrong types, duplicates, deep "
+        "nesting, pickles, bad names, non-UTF-8; fuzzed parsers",
+        "a DistCkptError subclass (CLI exit 1 or 2); no traceback, hang or unbounded allocation",
+        [f"{F}/test_hostile.py"]),
+    Row("stop at interpreter exit", "normal job end with saves in flight, 20 runs",
+        "exit code 0 every time", [f"{F}/test_exit.py"]),
+]
+
+
+def run_tests(rows: list[Row], report: str, junit: str) -> int:
+    targets = sorted({test for row in rows for test in row.tests})
+    env = dict(os.environ, DIST_CKPT_FAULT_REPORT=report)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+               *targets]
+    return subprocess.run(command, cwd=REPO, env=env, stdout=sys.stderr).returncode
+
+
+def outcomes(junit: str) -> dict[str, tuple[str, float]]:
+    """Node id -> (passed / failed / skipped, seconds), from pytest's JUnit XML."""
+    found = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        path = case.get("classname", "").replace(".", "/") + ".py"
+        node = f"{path}::{case.get('name')}"
+        state = "passed"
+        if case.find("failure") is not None or case.find("error") is not None:
+            state = "failed"
+        elif case.find("skipped") is not None:
+            state = "skipped"
+        found[node] = (state, float(case.get("time", 0)))
+    return found
+
+
+def fill(row: Row, results: dict[str, tuple[str, float]], records: list[dict]) -> None:
+    mine = {node: value for node, value in results.items()
+            if any(node == test or node.startswith(test.rstrip("/") + ("[" if "::" in test else "::"))
+                   or node.startswith(test + "::") for test in row.tests)}
+    states = [state for state, _ in mine.values()]
+    row.counts = {state: states.count(state) for state in sorted(set(states))}
+    row.result = "PASS" if states and all(s == "passed" for s in states) else "FAIL"
+    seen = [r for r in records if r.get("row") == row.fault]
+    row.observed = "; ".join(dict.fromkeys(r["observed"] for r in seen))[:400] if seen else \
+        f"{states.count('passed')}/{len(states)} tests passed"
+    detects = [r["detect_s"] for r in seen if r.get("detect_s") is not None]
+    recovers = [r["recover_s"] for r in seen if r.get("recover_s") is not None]
+    row.detect_s = max(detects) if detects else None
+    row.recover_s = max(recovers) if recovers else max((t for _, t in mine.values()), default=None)
+
+
+def print_table(rows: list[Row]) -> None:
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f} s"
+
+    header = ["fault", "injection", "expected", "observed", "result", "detect", "recover"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        cells = [row.fault, row.injection, row.expected, row.observed,
+                 f"{row.result} ({row.counts.get('passed', 0)}/{sum(row.counts.values())})",
+                 seconds(row.detect_s), seconds(row.recover_s)]
+        print("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("rows", nargs="*", help="substrings of row names (default: every row)")
+    parser.add_argument("--json", action="store_true", help="machine-readable rows")
+    parser.add_argument("--list", action="store_true", help="list the rows and their tests, run nothing")
+    args = parser.parse_args()
+    rows = [r for r in ROWS if not args.rows or any(s.lower() in r.fault.lower() for s in args.rows)]
+    if not rows:
+        parser.error(f"no row matches {args.rows}")
+    if args.list:
+        for row in rows:
+            print(f"{row.fault}: {' '.join(row.tests)}")
+        return 0
+    with tempfile.TemporaryDirectory() as scratch:
+        report, junit = os.path.join(scratch, "report.jsonl"), os.path.join(scratch, "junit.xml")
+        run_tests(rows, report, junit)
+        records = []
+        if os.path.exists(report):
+            with open(report, encoding="utf-8") as handle:
+                records = [json.loads(line) for line in handle if line.strip()]
+        results = outcomes(junit) if os.path.exists(junit) else {}
+    for row in rows:
+        fill(row, results, records)
+    cuts = next((r.get("cuts") for r in records if r.get("row") == "power loss"), None)
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows], "power_cuts": cuts}, indent=1))
+    else:
+        print_table(rows)
+        if cuts is not None:
+            print(f"\npower cuts tried: {cuts}")
+    return 0 if all(r.result == "PASS" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
