@@ -10,12 +10,14 @@ background for an asynchronous save and coordinates only through the c10d store.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +63,18 @@ from .tiers import CommitTier, TierOptions, open_tier
 from .version import __version__
 
 log = logs.get(__name__)
+# managers not closed yet: closed at interpreter exit, before finalisation, so that no save
+# thread is still running native code when the interpreter tears down (a crash, not an exit)
+_OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for manager in list(_OPEN):
+        try:
+            manager.close()
+        except Exception:  # noqa: BLE001 - an unraised save failure: logged, the exit goes on
+            log.exception("closing a CheckpointManager at interpreter exit")
 
 
 def reports_permanent(method):
@@ -140,6 +154,7 @@ class CheckpointManager:
         self._rehearsal: RehearsalResult | None = None
         self.schedule = None if config.save_every is None else SaveSchedule(
             every=config.save_every, auto=config.cadence == "auto", mtbf_s=config.mtbf_s)
+        _OPEN.add(self)
         runinfo.report(self.comm.rank, root=config.root, mirror=config.mirror,
                        world_size=self.comm.world_size, pid=os.getpid(),
                        contract_digest=contract_mod.digest(state.contract))
@@ -409,6 +424,7 @@ class CheckpointManager:
         staging buffers and the cached plan are dropped, and the checkpoint gloo group is
         destroyed and freed, which joins its worker threads. Local to this rank: no collective.
         """
+        _OPEN.discard(self)
         if self._closed:
             return
         deadline = time.monotonic() + self.config.close_timeout_s

@@ -27,6 +27,7 @@ import base64
 import hashlib
 import os
 import pickle
+import threading
 import time
 import traceback
 
@@ -37,10 +38,11 @@ from ..protocol import messages
 from ..protocol.comm import Comm
 from ..protocol.messages import CommitOutcome, RankReport
 from ..storage.local import fsync_dir, write_durable
+from ..tiers.base import remove_own_files
 from .commit import commit
 from .priority import lower_thread_priority
 from .request import SaveJob, SaveRequest
-from .shardio import hashing_writer
+from .shardio import SaveAbandoned, hashing_writer
 
 __all__ = ["SaveJob", "SaveRequest", "StoreKeyRetirer", "run_save", "run_save_in_background"]
 
@@ -78,21 +80,37 @@ class StoreKeyRetirer:
         self.waiting = keep
 
 
-def write_rank_files(request: SaveRequest, rank: int, io_threads: int) -> tuple[list[dict], bytes]:
-    """Write this rank's files; returns the file entries and the pickled DCP write results."""
+def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
+                     commit_timeout_s: float | None = None) -> tuple[list[dict], bytes]:
+    """Write this rank's files; returns the file entries and the pickled DCP write results.
+    Past the commit deadline the generation cannot commit: the remaining writes are abandoned
+    (``SaveAbandoned``) instead of finished, so a slow disk does not hold the next save."""
     faults.hit("write.before", rank)
     local_dir = request.attempt.local_dir
     dcp_dir = os.path.join(local_dir, DCP_DIR)
     state_dir = os.path.join(local_dir, STATE_DIR)
     os.makedirs(dcp_dir, exist_ok=True)
     os.makedirs(state_dir, exist_ok=True)
-    writer, filesystem = hashing_writer(dcp_dir, thread_count=io_threads)
+    cancel = threading.Event()
+    timer = None
+    if commit_timeout_s is not None:
+        timer = threading.Timer(max(0.0, request.started + commit_timeout_s - time.monotonic()), cancel.set)
+        timer.daemon = True
+        timer.start()
+    writer, filesystem = hashing_writer(dcp_dir, thread_count=io_threads, cancel=cancel, rank=rank)
     try:
         results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()
+        if cancel.is_set():
+            raise SaveAbandoned("the commit deadline passed while writing: not finished")
     except Exception as exc:
+        # files this rank began are in no report: nobody else knows to remove them
+        remove_own_files(local_dir, [{"path": os.path.relpath(p, local_dir)} for p in filesystem.created])
         if filesystem.errors:
             raise filesystem.errors[0] from exc
         raise
+    finally:
+        if timer is not None:
+            timer.cancel()
     entries = [{"path": f"{DCP_DIR}/{name}", "size": size, "sha256": digest, "rank": rank}
                for name, (size, digest) in sorted(filesystem.digests.items())]
     faults.hit("write.shards_written", rank)  # mid-write: shards on disk, state files not yet
@@ -115,12 +133,13 @@ def run_save_in_background(job: SaveJob, comm: Comm, io_threads: int, commit_tim
     run_save(job, comm, io_threads, commit_timeout_s)
 
 
-def _write_and_report(request: SaveRequest, comm: Comm, io_threads: int, job: SaveJob) -> RankReport:
+def _write_and_report(request: SaveRequest, comm: Comm, io_threads: int, job: SaveJob,
+                      commit_timeout_s: float) -> RankReport:
     outcome_posted = messages.outcome_key(request.generation, request.attempt_id)
     try:
         if comm.rank != 0 and comm.store.check([outcome_posted]):
             raise CommitError("generation already failed before this rank wrote")
-        entries, results = write_rank_files(request, comm.rank, io_threads)
+        entries, results = write_rank_files(request, comm.rank, io_threads, commit_timeout_s)
         job.written = True  # its bytes are on disk: the space preflight stops counting it
         request.attempt.put_files(entries)
         report = RankReport(comm.rank, entries, base64.b64encode(results).decode("ascii"))
@@ -137,7 +156,7 @@ def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float)
     """Drive one save on this rank (see the module docstring); never raises, sets job.error."""
     request = job.request
     try:
-        report = _write_and_report(request, comm, io_threads, job)
+        report = _write_and_report(request, comm, io_threads, job, commit_timeout_s)
         if comm.rank == 0:
             outcome = commit(request, comm, commit_timeout_s)
             key = messages.outcome_key(request.generation, request.attempt_id)

@@ -4,6 +4,10 @@ DCP's ``FileSystemWriter`` fsyncs a data file through ``stream.fileno()`` while 
 buffer may still hold its tail; the stream here flushes before handing out the descriptor,
 so that fsync covers every byte, and hashes each byte as it is written, so that no file is
 read back to get its digest.
+
+A doomed save stops writing: once ``cancel`` is set (the rank's commit deadline passed) every
+further write request raises ``SaveAbandoned`` instead of reaching the disk, so a slow disk
+costs the job at most the deadline plus the request already in progress.
 """
 
 from __future__ import annotations
@@ -18,14 +22,23 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
+from .. import faults
+
+
+class SaveAbandoned(OSError):
+    """The rank stopped writing a generation that can no longer commit (its deadline passed)."""
+
 
 class HashingStream(io.RawIOBase):
-    def __init__(self, raw: io.BufferedWriter, on_error: Any = None) -> None:
+    def __init__(self, raw: io.BufferedWriter, on_error: Any = None,
+                 cancel: threading.Event | None = None, rank: int | None = None) -> None:
         super().__init__()
         self._raw = raw
         self._digest = hashlib.sha256()
         self.size = 0
         self._on_error = on_error
+        self._cancel = cancel
+        self._rank = rank
 
     def writable(self) -> bool:
         return True
@@ -33,6 +46,8 @@ class HashingStream(io.RawIOBase):
     def write(self, data: Any) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
         try:
+            self._check_cancel()
+            faults.hit("write.request", self._rank)  # a slow or failing disk, per request
             written = self._raw.write(view)
         except OSError as exc:
             # torch.save's native writer reports a failed write as "unexpected pos": keep
@@ -43,6 +58,10 @@ class HashingStream(io.RawIOBase):
         self._digest.update(view[:written])
         self.size += written
         return written
+
+    def _check_cancel(self) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise SaveAbandoned("the commit deadline passed: remaining writes abandoned")
 
     def tell(self) -> int:
         return self._raw.tell()
@@ -66,10 +85,13 @@ class HashingStream(io.RawIOBase):
 class HashingFileSystem(FileSystem):
     """DCP filesystem whose write streams record (size, sha256) per file path."""
 
-    def __init__(self) -> None:
+    def __init__(self, cancel: threading.Event | None = None, rank: int | None = None) -> None:
         super().__init__()
         self.digests: dict[str, tuple[int, str]] = {}
         self.errors: list[OSError] = []  # write errors, in the order they happened
+        self.cancel = cancel
+        self.rank = rank
+        self.created: list[str] = []  # every file opened for writing, for cleanup on failure
         self._lock = threading.Lock()
 
     @contextmanager
@@ -78,19 +100,23 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
+        with self._lock:
+            self.created.append(os.fspath(path))
         with open(path, mode) as raw:
-            stream = HashingStream(raw, on_error=self.errors.append)
+            stream = HashingStream(raw, on_error=self.errors.append, cancel=self.cancel, rank=self.rank)
             yield stream
             stream.close()
+            stream._check_cancel()  # no fsync of a doomed file either
             os.fsync(raw.fileno())
         with self._lock:
             self.digests[os.path.basename(os.fspath(path))] = (stream.size, stream.hexdigest())
 
 
-def hashing_writer(path: str, *, thread_count: int) -> tuple[FileSystemWriter, HashingFileSystem]:
+def hashing_writer(path: str, *, thread_count: int, cancel: threading.Event | None = None,
+                   rank: int | None = None) -> tuple[FileSystemWriter, HashingFileSystem]:
     # sync_files=False: the stream fsyncs once, after the last byte is flushed
     writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=False,
                               thread_count=thread_count, overwrite=True)
-    filesystem = HashingFileSystem()
+    filesystem = HashingFileSystem(cancel, rank)
     writer.fs = filesystem
     return writer, filesystem

@@ -40,3 +40,35 @@ def restore_only(rank: int, world: int, root: str) -> dict:
     result = mgr.restore()
     mgr.close()
     return {"generation": result.generation, "rejected": [str(p) for p in result.rejected]}
+
+
+def slow_disk(rank: int, world: int, root: str, deadline_s: float, request_delay_s: float,
+              saves: int) -> dict:
+    """Rank 1's every write request takes ``request_delay_s`` from the middle of the first
+    save on, for the rest of the run; every rank trains and saves each update (``block``
+    policy, one save in flight) and records how long each ``save()`` held it and which
+    generations failed."""
+    job = workers.build("ddp", rank, world)
+    mgr = workers.manager(job, root, async_save=True, max_in_flight=1, in_flight_policy="block",
+                          commit_timeout_s=deadline_s)
+    faults.configure({"write.request": {"rank": 1, "after": 2, "delay_s": request_delay_s}})
+    held, failed = [], []
+    for update in range(1, saves + 1):
+        workers.train_step(job)
+        started = time.monotonic()
+        try:
+            mgr.save(update)
+        except CommitError as exc:  # an earlier generation failed: reported, training goes on
+            failed.append(exc.generation)
+            mgr.save(update)
+        held.append(time.monotonic() - started)
+    started = time.monotonic()
+    try:
+        mgr.wait()
+    except CommitError as exc:
+        failed.append(exc.generation)
+    held.append(time.monotonic() - started)
+    faults.configure(None)
+    committed = [g.name for g in mgr.generations() if g.state == "committed"]
+    mgr.close()
+    return {"held": held, "failed": failed, "committed": committed, "steps": len(job.losses)}
