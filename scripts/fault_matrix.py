@@ -48,6 +48,10 @@ ROWS = [
     Row("slow rank under / over the deadline", "delay inside one rank's writer",
         "commits late / fails cleanly; the next save commits in the same processes",
         [f"{F}/test_ranks.py::test_slow_late_crashed_and_missing_ranks"]),
+    Row("slow disk that stays slow", "every write request of one rank takes 2 s, from the middle "
+        "of a save on", "each save fails at its deadline; the rank abandons the doomed writes; "
+        "training is held at most about the deadline plus one request per save",
+        [f"{F}/test_slow_disk.py"]),
     Row("rank SIGKILLed at each phase", "staging, start of write, mid-write, before / after its report",
         "no survivor held past the deadline; previous generation restores; orphan removed",
         [f"{F}/test_kill.py::test_rank_killed_at_each_phase"]),
@@ -129,8 +133,10 @@ def fill(row: Row, results: dict[str, tuple[str, float]], records: list[dict]) -
     row.counts = {state: states.count(state) for state in sorted(set(states))}
     row.result = "PASS" if states and all(s == "passed" for s in states) else "FAIL"
     seen = [r for r in records if r.get("row") == row.fault]
-    row.observed = "; ".join(dict.fromkeys(r["observed"] for r in seen))[:400] if seen else \
-        f"{states.count('passed')}/{len(states)} tests passed"
+    distinct = list(dict.fromkeys(r["observed"] for r in seen))
+    shown = "; ".join(text if len(text) <= 160 else text[:157] + "..." for text in distinct[:2])
+    more = f" (+{len(distinct) - 2} more cases)" if len(distinct) > 2 else ""
+    row.observed = shown + more if seen else f"{states.count('passed')}/{len(states)} tests passed"
     detects = [r["detect_s"] for r in seen if r.get("detect_s") is not None]
     recovers = [r["recover_s"] for r in seen if r.get("recover_s") is not None]
     row.detect_s = max(detects) if detects else None

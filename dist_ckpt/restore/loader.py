@@ -179,13 +179,15 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest, templ
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(template, storage_reader=reader.storage_reader)
     except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
-        invalid = {rank: str(failure) for rank, (failure, _) in getattr(exc, "failures", {}).items()
-                   if isinstance(failure, ValidationError)}
+        failed = {rank: failure for rank, (failure, _) in getattr(exc, "failures", {}).items()
+                  if isinstance(failure, ValidationError)}
         if reader.errors:
-            invalid.setdefault(comm.rank, str(reader.errors[0]))
-        if not invalid:
+            failed.setdefault(comm.rank, reader.errors[0])
+        if not failed:
             raise
-        detail = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(invalid.items()))
-        raise ValidationError(f"{name} could not be loaded: {detail}", generation=name) from exc
+        detail = "; ".join(f"rank {rank}: {failure}" for rank, failure in sorted(failed.items()))
+        first = failed[min(failed)]
+        raise ValidationError(f"{name} could not be loaded: {detail}", generation=name,
+                              path=getattr(first, "path", None)) from exc
     finally:
         reader.close()
