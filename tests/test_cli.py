@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
-from dist_ckpt.cli.main import human_bytes, main
+from dist_ckpt.cli.app import human_bytes, main
 
 GEN10 = "gen-000000000010"
 GEN20 = "gen-000000000020"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ResumableSampler, __version__
-from dist_ckpt.cli.main import FOOTNOTE, main
+from dist_ckpt.cli.app import FOOTNOTE, main
 from dist_ckpt.format.validate import Problem
 from dist_ckpt.ops.retention import change_pin, read_pins, set_pin
 from dist_ckpt.storage.local import LocalBackend

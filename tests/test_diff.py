@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_ckpt.cli.main import main as dist_ckpt_main
+from dist_ckpt.cli.app import main as dist_ckpt_main
 from dist_ckpt.ops.diff import COMPONENTS, compare_tensors, diff
 from dist_ckpt.restart.state import ALL_COMPONENTS
 from dist_ckpt.testing import run_ranks
@@ -151,7 +151,7 @@ def test_compare_tensors_bitwise_and_magnitudes() -> None:
 
 
 def test_wired_into_dist_ckpt_cli(base: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from dist_ckpt.cli import main as cli
+    from dist_ckpt import cli
 
     assert cli.main(["diff", str(base / "full"), str(base / "extra_batch")]) == 1
     assert "first difference: data (cursor)" in capsys.readouterr().out

@@ -13,8 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
-from dist_ckpt.cli import main as cli
+from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, cli
 from dist_ckpt.ops.export import INDEX_NAME, RELEASE_NAME, export_generation
 from dist_ckpt.testing import run_ranks
 from tests.helpers import workers

@@ -15,7 +15,7 @@ from dist_ckpt import (
     ContractMismatch,
     UntrustedGenerations,
 )
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.ops.done import check_done
 from dist_ckpt.restart.contract import digest
 from dist_ckpt.runinfo import LAUNCH_DIR_ENV, read_reports

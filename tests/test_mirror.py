@@ -9,7 +9,7 @@ import shutil
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.save.mirror import read_mirror_state
 from tests.helpers.local_jobs import make_state, step
 from tests.helpers.mirror_runs import remote_states, run_job

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_ckpt.cli.main import main
+from dist_ckpt.cli.app import main
 from dist_ckpt.format.manifest import (
     FORMAT_VERSION,
     GLOBAL_STATE_FILE,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dist_ckpt import progress
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from tests.helpers.local_jobs import two_generations
 
 

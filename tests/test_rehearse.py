@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.restore.rehearse import RehearsalFailed
 from dist_ckpt.testing import run_ranks
 from tests.helpers import launchlib, workers

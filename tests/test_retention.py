@@ -8,7 +8,7 @@ import os
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ValidationError
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from tests.helpers.local_jobs import make_state, step
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.testing import run_ranks
 from tests.helpers import workers
 from tests.helpers.workers import check_restart

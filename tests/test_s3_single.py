@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
 from tests.helpers.local_jobs import make_state, step
 

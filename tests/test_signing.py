@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ConfigError
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.manifest import GLOBAL_STATE_FILE, Manifest
 from dist_ckpt.format.signing import KEY_ENV
 from tests.helpers.local_jobs import make_state, step, two_generations

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ValidationError
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.manifest import LATEST_NAME, generation_name
 from dist_ckpt.format.validate import validate
 from dist_ckpt.tiers import open_tier

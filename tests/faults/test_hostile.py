@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError as PydanticValidationError
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
-from dist_ckpt.cli.main import main
+from dist_ckpt.cli.app import main
 from dist_ckpt.errors import (
     DistCkptError,
     SignatureError,

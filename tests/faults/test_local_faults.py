@@ -16,7 +16,7 @@ from dist_ckpt import (
     NotAtOptimizerBoundary,
     faults,
 )
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.testing import tree_digest
 from tests.helpers.local_jobs import make_state, step, two_generations
 

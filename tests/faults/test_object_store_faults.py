@@ -10,7 +10,7 @@ import torch
 
 import dist_ckpt.restore.resume as resume_mod
 from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, faults
-from dist_ckpt.cli.main import main as cli
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.validate import read_manifest
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
 from tests.helpers.local_jobs import make_state, step, two_generations
