@@ -33,6 +33,7 @@ import json
 import os
 import pickle
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -147,7 +148,12 @@ class FifoWatch:
                 fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
             except OSError:  # ENXIO: no reader; ENOENT: moved or replaced
                 continue
-            os.close(fd)
+            try:
+                replaced = not stat.S_ISFIFO(os.fstat(fd).st_mode)
+            finally:
+                os.close(fd)
+            if replaced:  # the library replaced the FIFO (a new pointer): nothing left to watch
+                return
             self.opened[str(path)] += 1
 
     def __enter__(self) -> FifoWatch:
