@@ -21,8 +21,17 @@ import uuid
 from typing import Any
 
 from dist_ckpt import runinfo
-from dist_ckpt.format.manifest import LATEST_NAME, MANIFEST_NAME, LatestPointer, Manifest
+from dist_ckpt.errors import DistCkptError
+from dist_ckpt.format.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_POINTER_BYTES,
+    LatestPointer,
+    Manifest,
+)
 from dist_ckpt.save.space import free_bytes
+from dist_ckpt.storage.local import LocalBackend
 
 from . import policy, records
 from .options import LaunchOptions
@@ -204,11 +213,22 @@ class Launcher:
             self._wake.wait(min(POLL_S, remaining))
 
 
-def _latest(run_dir: str) -> LatestPointer | None:
+def _read_small(run_dir: str, rel: str, limit: int) -> bytes | None:
+    """A small file of the run's root, or None: never a FIFO (it would block the launcher),
+    never through a link, never over ``limit`` bytes."""
+    store = LocalBackend(run_dir)
     try:
-        with open(os.path.join(run_dir, LATEST_NAME), "rb") as handle:
-            return LatestPointer.model_validate_json(handle.read())
-    except (OSError, ValueError):
+        store.checked_size(rel, limit=limit)
+        return store.read_bytes(rel)
+    except (OSError, DistCkptError):
+        return None
+
+
+def _latest(run_dir: str) -> LatestPointer | None:
+    raw = _read_small(run_dir, LATEST_NAME, MAX_POINTER_BYTES)
+    try:
+        return None if raw is None else LatestPointer.model_validate_json(raw)
+    except ValueError:
         return None
 
 
@@ -218,8 +238,14 @@ def _latest_update(run_dir: str) -> int | None:
 
 
 def _newest_generation_bytes(run_dir: str) -> int | None:
-    pointer = _latest(run_dir)
-    if pointer is None:
+    pointer = _latest(run_dir)  # its generation is a checked name: never a path
+    raw = None if pointer is None else _read_small(
+        run_dir, f"{pointer.generation}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+    if pointer is None or raw is None:
+        return None
+    try:
+        return Manifest.from_bytes(raw, generation=pointer.generation).total_bytes
+    except (ValueError, DistCkptError):  # no estimate: the start is not held up
         return None
     try:
         with open(os.path.join(run_dir, pointer.generation, MANIFEST_NAME), "rb") as handle:
