@@ -31,6 +31,7 @@ from dist_ckpt.format.manifest import (
     Manifest,
 )
 from dist_ckpt.save.space import free_bytes
+from dist_ckpt.storage.base import read_bounded
 from dist_ckpt.storage.local import LocalBackend
 
 from . import policy, records
@@ -216,10 +217,8 @@ class Launcher:
 def _read_small(run_dir: str, rel: str, limit: int) -> bytes | None:
     """A small file of the run's root, or None: never a FIFO (it would block the launcher),
     never through a link, never over ``limit`` bytes."""
-    store = LocalBackend(run_dir)
     try:
-        store.checked_size(rel, limit=limit)
-        return store.read_bytes(rel)
+        return read_bounded(LocalBackend(run_dir), rel, limit)
     except (OSError, DistCkptError):
         return None
 

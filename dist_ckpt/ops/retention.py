@@ -16,7 +16,7 @@ from ..errors import StorageError, ValidationError
 from ..format.manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import list_generations, read_manifest
-from ..storage.base import Backend, Store
+from ..storage.base import Backend, Store, read_bounded
 from ..tiers.base import CommitTier
 
 log = logs.get(__name__)
@@ -40,8 +40,7 @@ def read_pins(backend: Backend) -> dict[str, str]:
     non-UTF-8 bytes and wrong JSON types are corrupt)."""
     max_bytes = 16 << 20  # a pin is ~50 bytes: far more pins than any root holds generations
     try:
-        backend.checked_size(PINS_NAME, limit=max_bytes)  # a FIFO would block the read
-        raw = backend.read_bytes(PINS_NAME)
+        raw = read_bounded(backend, PINS_NAME, max_bytes)  # a FIFO would block a plain read
     except (FileNotFoundError, StorageError):
         return {}
     except ValidationError as exc:

@@ -34,6 +34,7 @@ from ..format.manifest import (
     check_generation_name,
 )
 from ..format.validate import Problem
+from ..storage.base import read_bounded
 from ..tiers.base import CommitTier
 from . import quarantine
 from .loader import RestoreResult, load_generation, select_generation
@@ -106,8 +107,7 @@ def pointer_warnings(mgr: CheckpointManager) -> list[str]:
     the root does)."""
     store, root = mgr.backend, mgr.config.root
     try:
-        store.checked_size(LATEST_NAME, limit=MAX_POINTER_BYTES)  # never a FIFO or a link
-        raw = store.read_bytes(LATEST_NAME)
+        raw = read_bounded(store, LATEST_NAME, MAX_POINTER_BYTES)  # never a FIFO or a link
     except (FileNotFoundError, StorageError):
         return []
     except ValidationError as exc:
@@ -116,9 +116,7 @@ def pointer_warnings(mgr: CheckpointManager) -> list[str]:
     try:
         pointer = LatestPointer.model_validate_json(raw)
         check_generation_name(pointer.generation)  # a name from a file: never a path
-        rel = f"{pointer.generation}/{MANIFEST_NAME}"
-        store.checked_size(rel, limit=MAX_MANIFEST_BYTES)
-        manifest_raw = store.read_bytes(rel)
+        manifest_raw = read_bounded(store, f"{pointer.generation}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
     except (ValueError, UnsafeNameError, UnsafeFileError) as exc:
         return [f"{LATEST_NAME} under {root} is corrupt ({type(exc).__name__}); the generation "
                 "was chosen by validation, as always"]

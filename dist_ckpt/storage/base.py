@@ -62,6 +62,13 @@ class Store(StoreReader, StoreWriter, Protocol):
 Backend = Store  # the name the rest of the code base grew up with
 
 
+def read_bounded(store: StoreReader, rel: str, limit: int) -> bytes:
+    """A small file's bytes: only a regular file reached without a link (a FIFO would block
+    the reader), at most ``limit`` bytes; raises as ``checked_size`` and ``read_bytes`` do."""
+    store.checked_size(rel, limit=limit)
+    return store.read_bytes(rel)
+
+
 def is_remote(root: str) -> bool:
     return "://" in root and not root.startswith("file://")
 

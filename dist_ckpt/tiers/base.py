@@ -38,7 +38,15 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import logs
 from ..errors import ConfigError, ValidationError
-from ..format.manifest import DCP_DIR, METADATA_FILE, PENDING_PREFIX, STATE_DIR, Manifest
+from ..format.manifest import (
+    DCP_DIR,
+    MANIFEST_NAME,
+    METADATA_FILE,
+    PENDING_PREFIX,
+    STATE_DIR,
+    Manifest,
+    parse_generation,
+)
 from ..format.validate import Problem, read_verified
 from ..storage.base import Store, StoreReader
 
@@ -182,6 +190,26 @@ def remove_own_files(local_dir: str, entries: list[dict]) -> None:
             os.rmdir(os.path.join(local_dir, directory))
         except OSError:
             pass
+
+
+def stale_uncommitted(committed: dict[str, Manifest], uncommitted: list[str]) -> list[str]:
+    """Generations without a valid manifest that are older than the newest committed one
+    (newer ones may still be in flight): what a failed attempt or a cut-short prune left."""
+    if not committed:
+        return []
+    newest = max(parse_generation(name) or 0 for name in committed)
+    return [name for name in uncommitted if (parse_generation(name) or 0) < newest]
+
+
+def orphan_attempts(store: StoreReader, committed: dict[str, Manifest]) -> list[str]:
+    """Children of committed generations that their manifest does not reference (the attempt
+    directories of writers that lost, on tiers that keep attempts apart)."""
+    found = []
+    for name, manifest in committed.items():
+        if manifest.data_dir:
+            keep = {MANIFEST_NAME, manifest.data_dir.split("/")[0]}
+            found += [f"{name}/{child}" for child in store.listdir(name) if child not in keep]
+    return found
 
 
 def remove_stale_pending(local_root: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import faults, logs
 from ..errors import GenerationExists, StorageError
-from ..format.manifest import MANIFEST_NAME, Manifest, parse_generation
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, check_structure, move_latest
 from ..storage.base import is_remote
@@ -31,10 +31,12 @@ from ..storage.objectstore import ObjectStoreBackend
 from .base import (
     GenerationReader,
     attempt_prefix,
+    orphan_attempts,
     pending_dir_name,
     register_tier,
     remove_own_files,
     remove_stale_pending,
+    stale_uncommitted,
 )
 from .verified import VerifiedObjectReader
 
@@ -146,15 +148,7 @@ class ObjectStoreTier:
     def debris(self, committed: dict[str, Manifest], uncommitted: list[str]) -> list[str]:
         """Generations without a manifest older than the newest committed one (newer ones may
         be uploads in flight), and attempt directories no committed manifest references."""
-        if not committed:
-            return []
-        newest = max(parse_generation(name) or 0 for name in committed)
-        found = [n for n in uncommitted if (parse_generation(n) or 0) < newest]
-        for name, manifest in committed.items():
-            if manifest.data_dir:
-                keep = {MANIFEST_NAME, manifest.data_dir.split("/")[0]}
-                found += [f"{name}/{child}" for child in self.store.listdir(name) if child not in keep]
-        return found
+        return stale_uncommitted(committed, uncommitted) + orphan_attempts(self.store, committed)
 
     def move_aside(self, problem: Problem) -> str | None:
         return None  # nothing is renamed on a store; a rejected generation stays in place

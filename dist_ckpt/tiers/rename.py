@@ -28,6 +28,7 @@ from .base import (
     register_tier,
     remove_own_files,
     remove_stale_pending,
+    stale_uncommitted,
 )
 from .quarantine import move_aside
 
@@ -126,10 +127,7 @@ class RenameTier:
     def debris(self, committed: dict[str, Manifest], uncommitted: list[str]) -> list[str]:
         """A rename leaves no partial generation, but a prune cut short leaves one without its
         manifest (removed first): older than the newest committed, the next prune finishes it."""
-        if not committed:
-            return []
-        newest = max(parse_generation(name) or 0 for name in committed)
-        return [name for name in uncommitted if (parse_generation(name) or 0) < newest]
+        return stale_uncommitted(committed, uncommitted)
 
     def move_aside(self, problem: Problem) -> str | None:
         if parse_generation(problem.generation) is None:

@@ -15,7 +15,7 @@ import threading
 from typing import IO
 
 from dist_ckpt.errors import GenerationExists, StorageError, UnsafeFileError
-from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest, parse_generation
+from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest
 from dist_ckpt.format.signing import SIGNATURE_NAME, sign
 from dist_ckpt.format.validate import Problem, check_sizes, check_structure, move_latest
 from dist_ckpt.tiers import register_tier
@@ -23,9 +23,11 @@ from dist_ckpt.tiers.base import (
     GenerationReader,
     TierOptions,
     attempt_prefix,
+    orphan_attempts,
     pending_dir_name,
     remove_own_files,
     remove_stale_pending,
+    stale_uncommitted,
 )
 from dist_ckpt.tiers.verified import VerifiedObjectReader
 
@@ -172,14 +174,7 @@ class MemoryTier:
         remove_stale_pending(self.local_root)
 
     def debris(self, committed: dict[str, Manifest], uncommitted: list[str]) -> list[str]:
-        if not committed:
-            return []
-        newest = max(parse_generation(n) or 0 for n in committed)
-        found = [n for n in uncommitted if (parse_generation(n) or 0) < newest]
-        for name, manifest in committed.items():
-            keep = {MANIFEST_NAME, manifest.data_dir.split("/")[0]}
-            found += [f"{name}/{c}" for c in self.store.listdir(name) if c not in keep]
-        return found
+        return stale_uncommitted(committed, uncommitted) + orphan_attempts(self.store, committed)
 
     def move_aside(self, problem: Problem) -> str | None:
         return None
