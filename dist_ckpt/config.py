@@ -49,6 +49,13 @@ class CheckpointConfig(BaseModel):
         default="block",
         description="What `save()` does at the `max_in_flight` bound: `block` (wait for the oldest save, "
                     "the default) or `skip` (log a warning and return None).")
+    snapshot: Literal["eager", "lazy"] = Field(
+        default="eager",
+        description="With `async_save`: `eager` (default) copies every tensor before `save()` returns; "
+                    "`lazy` returns first and copies parameters and optimizer state in the background "
+                    "while the next forward and backward run; an optimizer step pre-hook waits for the "
+                    "copy, and any other in-place change of them must call `wait_staged()` first "
+                    "(README, \"Lazy snapshot\"). A synchronous save is the same either way.")
     commit_timeout_s: float = Field(
         default=300.0, gt=0,
         description="Deadline in seconds for every rank's report of a save; a late rank fails the "
@@ -60,6 +67,11 @@ class CheckpointConfig(BaseModel):
     io_threads: int = Field(
         default=1, ge=1, le=32,
         description="Writer threads per rank for a save's files (1 to 32); the default writes with one.")
+    digest_algorithm: Literal["blake3", "sha256"] = Field(
+        default="blake3",
+        description="Digest of every file of a new generation, recorded in its manifest: `blake3` "
+                    "(default; cryptographic, about 4x sha256's speed) or `sha256`. Generations of "
+                    "either kind verify whatever this is set to.")
     background_nice: int = Field(
         default=10, ge=0, le=19,
         description="CPU priority drop (added nice value, 0 to 19) of the background save threads of "
@@ -78,6 +90,13 @@ class CheckpointConfig(BaseModel):
         default_factory=dict,
         description="Passed to fsspec for object-store roots and the mirror (endpoint, credentials, ...); "
                     "by default the usual AWS environment variables apply.")
+    upload_verification: Literal["checksum", "readback"] = Field(
+        default="checksum",
+        description="How each object uploaded to an `s3://` root or mirror is verified: `checksum` "
+                    "(default) sends its CRC32C (SHA256 without the `crc32c` package) with the body, "
+                    "which the store checks (`BadDigest` refuses a damaged one), then compares size and "
+                    "stored checksum with one HEAD; `readback` downloads each object again and compares "
+                    "its digest with the manifest (twice the traffic).")
     cache_dir: str | None = Field(
         default=None,
         description="Local scratch directory for object-store roots and verified downloads; the default "

@@ -57,6 +57,9 @@ Save, all ranks (docs/architecture.md, "Save"):
 ``stage.before``            all ranks, main thread, in ``save()`` (``CheckpointManager._start``):
                             the agreement and the space check passed; no staging slot taken,
                             nothing copied, no plan prepared, no thread started.
+``stage.copy``              all ranks, ``snapshot="lazy"`` only, first thing the save thread
+                            does: ``save()`` returned, the deferred tensors not copied yet; the
+                            next optimizer step and ``wait_staged()`` wait while it is held.
 ``write.before``            all ranks, first thing the writer does (the save thread of an async
                             save): the state is staged, the outcome pre-check passed, no byte
                             of this attempt is written.

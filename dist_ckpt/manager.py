@@ -46,17 +46,12 @@ from .restore.loader import RestoreResult
 from .restore.rehearse import RehearsalResult
 from .restore.resume import resume
 from .save import agreement
-from .save.coordinator import (
-    SaveJob,
-    SaveRequest,
-    StoreKeyRetirer,
-    run_save,
-    run_save_in_background,
-)
+from .save.coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save
 from .save.mirror import MirrorUploader
 from .save.planning import SavePlanCache, layout_fingerprint
 from .save.request import ManifestInfo
 from .save.schedule import SaveSchedule
+from .save.snapshot import PendingCopy, lazy_snapshots, run_after_copy
 from .save.space import check_space, free_bytes
 from .save.staging import StagingPool
 from .tiers import CommitTier, TierOptions, open_tier
@@ -105,12 +100,14 @@ class CheckpointManager:
     def __init__(self, config: CheckpointConfig, state: TrainState) -> None:
         self.config = config
         self.state = state
+        self.snapshots = lazy_snapshots(config, state)  # None unless snapshot="lazy", async
         self.comm = Comm(timeout_s=3 * config.commit_timeout_s + 600)
         self._check_run_id()
         self.tier: CommitTier = open_tier(config.root, TierOptions(
             storage_options=dict(config.storage_options or {}),
             scratch_root=config.cache_dir or os.path.join(
-                tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}")))
+                tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}"),
+            upload_verification=config.upload_verification))
         self.write_root = self.tier.local_root  # where this node's ranks write their files
         os.makedirs(self.write_root, exist_ok=True)
         if self.comm.distributed:
@@ -134,7 +131,7 @@ class CheckpointManager:
         if config.mirror is not None:
             self.mirror_tier = open_tier(config.mirror, TierOptions(
                 storage_options=dict(config.storage_options or {}),
-                concurrency=config.mirror_concurrency))
+                concurrency=config.mirror_concurrency, upload_verification=config.upload_verification))
             self.mirror = self.mirror_tier.store
             self.uploader = MirrorUploader(
                 self.comm, self.tier, self.mirror_tier, queue_length=config.mirror_queue,
@@ -288,8 +285,15 @@ class CheckpointManager:
             state.tokens_seen = tokens_seen
         faults.hit("stage.before", self.comm.rank)
         slot = self.staging.acquire() if self.staging is not None else None
+        pending: PendingCopy | None = None
         try:
-            staged = slot.stage(live) if slot is not None else live
+            if slot is None:
+                staged = live
+            elif self.snapshots is not None:
+                staged, pending = self.snapshots.begin(slot, live, generation=name, rank=self.comm.rank,
+                                                       timeout_s=self.config.commit_timeout_s)
+            else:
+                staged = slot.stage(live)
             prepared = self.plans.prepare(staged, fingerprint, all_cached)
         except BaseException:
             if slot is not None:
@@ -300,6 +304,7 @@ class CheckpointManager:
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
             attempt=self.tier.begin(name, attempt_id), prepared=prepared,
             signing_key=self.config.signing_key,
+            digest_algorithm=self.config.digest_algorithm,
             rank_state=codec.dumps(state.rank_state()),
             global_state=codec.dumps(state.global_state()) if is_root else None,
             info=ManifestInfo(world_size=self.comm.world_size, components=list(state.components),
@@ -328,10 +333,12 @@ class CheckpointManager:
         self.stats.started += 1
         args = (job, self.comm, self.config.io_threads, self.config.commit_timeout_s)
         if self.config.async_save:
-            job.thread = threading.Thread(target=run_save_in_background,
-                                          args=(*args, self.config.background_nice), daemon=True,
-                                          name=f"dist-ckpt-save-{name}")
+            job.thread = threading.Thread(target=run_after_copy,
+                                          args=(pending, *args, self.config.background_nice),
+                                          daemon=True, name=f"dist-ckpt-save-{name}")
             self._jobs.append(job)
+            if pending is not None:
+                self.snapshots.track(pending)  # type: ignore[union-attr]
             job.thread.start()
         else:
             run_save(*args)
@@ -415,6 +422,15 @@ class CheckpointManager:
         self._reap()
         self._raise_unraised()
 
+    def wait_staged(self) -> None:
+        """With ``snapshot="lazy"``: return once the tensor copies of the saves in flight no
+        longer read the live tensors. Call it before changing parameters or optimizer state in
+        place other than by ``optimizer.step()`` (whose pre-hook waits by itself). Bounded by
+        ``commit_timeout_s``: a copy not done by then fails its save instead. Returns at once
+        otherwise."""
+        if self.snapshots is not None:
+            self.snapshots.wait()
+
     def close(self) -> None:
         """Wait (bounded by ``close_timeout_s``) for outstanding saves, then release resources.
 
@@ -439,6 +455,8 @@ class CheckpointManager:
                 self.uploader.close(self.config.close_timeout_s)
             self._janitor.shutdown(wait=True)
             self._join_save_threads(deadline)
+            if self.snapshots is not None:
+                self.snapshots.close()  # the optimizer step pre-hooks
             if self.staging is not None and not self._jobs:
                 self.staging.free()
             self.plans.clear()
@@ -467,6 +485,7 @@ class CheckpointManager:
                 verify_digests: bool = True) -> RestoreResult:
         """Load the newest generation that validates (all ranks); a fresh start if none."""
         self._check_open()
+        self.wait_staged()  # loading writes into the live tensors
         target = rehearsal.script_mode()
         if target is not None:
             self._rehearsal = rehearsal.rehearse(self, None if target == "newest" else target, None)

@@ -112,7 +112,7 @@ def test_verify_ok(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_verify_detects_bit_flip(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     flip_byte(root / GEN20 / DCP_FILE)
     code, out, _ = run(capsys, "verify", str(root))
-    assert code == 1 and DCP_FILE in out and "sha256" in out
+    assert code == 1 and DCP_FILE in out and "blake3" in out
     code, out, _ = run(capsys, "verify", str(root), GEN20, "--json")
     result = json.loads(out)
     assert code == 1

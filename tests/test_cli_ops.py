@@ -143,7 +143,7 @@ def test_quarantine_takes_a_damaged_latest_without_force(root: Path,
     [entry] = entries(root)
     assert code == 0 and entry in out
     reason = (root / REJECTED_DIR / entry / REASON_NAME).read_text()
-    assert SHARD in reason and "sha256" in reason
+    assert SHARD in reason and "blake3" in reason
 
 
 @pytest.mark.parametrize("argv, message", [

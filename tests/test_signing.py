@@ -3,7 +3,6 @@ with one; unsigned and wrongly keyed generations are refused; object stores sign
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -12,7 +11,8 @@ import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ConfigError
 from dist_ckpt.cli.app import main as cli
-from dist_ckpt.format.manifest import GLOBAL_STATE_FILE, Manifest
+from dist_ckpt.digests import digest_bytes
+from dist_ckpt.format.manifest import GLOBAL_STATE_FILE, FileEntry, Manifest
 from dist_ckpt.format.signing import KEY_ENV
 from tests.helpers.local_jobs import make_state, step, two_generations
 
@@ -32,7 +32,7 @@ def forge(root: str, generation: str) -> None:
     manifest_path = os.path.join(folder, "manifest.json")
     with open(manifest_path, "rb") as handle:
         manifest = Manifest.from_bytes(handle.read(), generation=generation)
-    files = [f.model_copy(update={"size": len(forged), "sha256": hashlib.sha256(forged).hexdigest()})
+    files = [FileEntry.of(f.path, len(forged), f.algorithm, digest_bytes(forged, f.algorithm), f.rank)
              if f.path == GLOBAL_STATE_FILE else f for f in manifest.files]
     with open(manifest_path, "wb") as handle:
         handle.write(manifest.model_copy(update={"files": files}).to_bytes())

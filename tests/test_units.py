@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, ConfigError, ResumableSampler, UnsafeNameError
+from dist_ckpt.digests import digest_bytes
 from dist_ckpt.format.manifest import check_generation_name, check_relative_path, generation_name
 from dist_ckpt.ops.retention import to_drop
 from dist_ckpt.restart import codec
 from dist_ckpt.save.shardio import hashing_writer
-from dist_ckpt.storage.local import file_sha256
+from dist_ckpt.storage.local import file_digest
 
 
 def test_codec_round_trip_without_pickle() -> None:
@@ -58,7 +59,8 @@ def test_unsafe_file_names(path: str) -> None:
         check_relative_path(path)
 
 
-def test_shard_digests_are_computed_while_writing(tmp_path) -> None:
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_shard_digests_are_computed_while_writing(tmp_path, algorithm: str) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import _StoragePrefix
 
@@ -67,11 +69,13 @@ def test_shard_digests_are_computed_while_writing(tmp_path) -> None:
     planner.set_up_planner(state, is_coordinator=True)
     plans, _ = planner.create_global_plan([planner.create_local_plan()])
     plan = planner.finish_plan(plans[0].__class__(plans[0].items, storage_data=_StoragePrefix("__0_")))
-    writer, filesystem = hashing_writer(str(tmp_path), thread_count=2)
+    writer, filesystem = hashing_writer(str(tmp_path), thread_count=2, algorithm=algorithm)
     writer.write_data(plan, planner).wait()
     assert filesystem.digests
     for name, (size, digest) in filesystem.digests.items():
-        assert file_sha256(os.path.join(tmp_path, name)) == (size, digest)
+        assert file_digest(os.path.join(tmp_path, name), algorithm) == (size, digest)
+        with open(os.path.join(tmp_path, name), "rb") as handle:  # against the reference hash
+            assert digest_bytes(handle.read(), algorithm) == digest
 
 
 def test_config_errors_name_the_field(monkeypatch) -> None:

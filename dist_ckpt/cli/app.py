@@ -231,7 +231,7 @@ def add_reading_parsers(sub: Any) -> list[argparse.ArgumentParser]:
         description="--json prints the manifest plus latest, data_position, extras_keys, pin, "
                     "tier, state_error and warnings")
     inspect.set_defaults(func=cmd_inspect)
-    verify = sub.add_parser("verify", help="fully validate a generation (sizes and sha256)")
+    verify = sub.add_parser("verify", help="fully validate a generation (sizes and digests)")
     verify.set_defaults(func=cmd_verify)
     verify.add_argument("--all", action="store_true",
                         help="check every generation; exit 0 only if all are valid")
@@ -265,7 +265,7 @@ def add_changing_parsers(sub: Any) -> list[argparse.ArgumentParser]:
     quarantine_cmd.add_argument("--force", action="store_true", help="move a pinned or the latest one too")
     rm = sub.add_parser(
         "rm", help="delete a generation or quarantined entry that fails validation (local roots)",
-        description="Deletes only what fails the full check (sizes and sha256; signatures are not "
+        description="Deletes only what fails the full check (sizes and digests; signatures are not "
                     "checked: another key's generation is not damaged). A valid one exits 1.")
     rm.set_defaults(func=cmd_rm)
     rm.add_argument("--invalid-only", action="store_true",

@@ -23,7 +23,7 @@ from .common import UsageError, checked_generation, open_root_tier
 DIFF_EPILOG = f"""\
 A and B are each a checkpoint ROOT (its newest committed generation) or the path or URL of
 one generation directory, ROOT/gen-NNNNNNNNNNNN; the roots and world sizes may differ.
-Every file is checked against its manifest (size and sha256) before it is parsed.
+Every file is checked against its manifest (size and digest) before it is parsed.
 
 components, in causal order: {", ".join(COMPONENTS)}.
 The first differing one is named first: the later ones are often its consequences (other

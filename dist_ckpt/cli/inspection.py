@@ -1,5 +1,5 @@
 """``dist-ckpt inspect`` and ``verify``: one generation's manifest and saved state, and
-its integrity (sizes and sha256 of every file), with one rule for the default generation."""
+its integrity (sizes and digests of every file), with one rule for the default generation."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def verify_result(backend: Backend, name: str, key: bytes | None) -> dict[str, A
     except OSError as exc:
         return {"generation": name, "ok": False, "reason": f"unreadable: {exc}",
                 "path": getattr(exc, "filename", None)}
-    reason = f"{len(manifest.files)} files, {manifest.total_bytes} bytes, sha256 verified"
+    reason = f"{len(manifest.files)} files, {manifest.total_bytes} bytes, digests verified"
     if key is not None:
         reason += f", signature verified (key from {KEY_ENV})"
     return {"generation": name, "ok": True, "reason": reason, "path": None}

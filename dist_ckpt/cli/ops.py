@@ -154,8 +154,8 @@ class QuarantinedCopy:
                      sound_dirs: set[str] | None = None) -> int:
         return self.store.checked_size(self._rel(rel), limit=limit, sound_dirs=sound_dirs)
 
-    def sha256(self, rel: str) -> str:
-        return self.store.sha256(self._rel(rel))
+    def digest(self, rel: str, algorithm: str) -> str:
+        return self.store.digest(self._rel(rel), algorithm)
 
     def tree_size(self, rel: str) -> int:
         return self.store.tree_size(self._rel(rel))

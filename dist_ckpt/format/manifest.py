@@ -1,8 +1,8 @@
 """Schemas of the generation manifest and the latest pointer, and generation naming.
 
 A generation directory is named ``gen-<next_update, 12 digits>``; its ``manifest.json`` is
-written last and lists every file with its size and sha256. ``latest.json`` at the root
-points at the newest validated generation.
+written last and lists every file with its size and digest (BLAKE3; sha256 in older
+generations). ``latest.json`` at the root points at the newest validated generation.
 
 Everything read here may be hostile: parsers raise ``ValidationError`` (never another
 exception), and ``regular_file_size`` refuses, without opening it, anything below a local root
@@ -20,7 +20,8 @@ from pydantic import ValidationError as PydanticValidationError
 
 from ..errors import UnsafeFileError, UnsafeNameError, ValidationError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: an entry's digest may be blake3
+READABLE_FORMATS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest.json"
 DCP_DIR = "dcp"
@@ -109,11 +110,35 @@ def rank_state_file(rank: int) -> str:
 
 
 class FileEntry(BaseModel):
+    """One listed file. Its digest's key names the algorithm: ``blake3`` (new generations)
+    or ``sha256`` (generations written before BLAKE3, and ``digest_algorithm="sha256"``)."""
+
     model_config = ConfigDict(extra="forbid")
     path: str
     size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    blake3: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     rank: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _one_digest(self) -> FileEntry:
+        if (self.blake3 is None) == (self.sha256 is None):
+            raise ValueError("needs exactly one digest (blake3 or sha256)")
+        return self
+
+    @property
+    def algorithm(self) -> str:
+        return "blake3" if self.blake3 is not None else "sha256"
+
+    @property
+    def digest(self) -> str:
+        digest = self.blake3 if self.blake3 is not None else self.sha256
+        assert digest is not None
+        return digest
+
+    @classmethod
+    def of(cls, path: str, size: int, algorithm: str, digest: str, rank: int) -> FileEntry:
+        return cls(path=path, size=size, rank=rank, **{algorithm: digest})
 
 
 class Manifest(BaseModel):
@@ -144,7 +169,8 @@ class Manifest(BaseModel):
         return f"{self.data_dir}/{path}" if self.data_dir else path
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json(indent=1).encode("utf-8")
+        # an entry carries only its own algorithm's digest
+        return self.model_dump_json(indent=1, exclude_none=True).encode("utf-8")
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, generation: str) -> Manifest:
@@ -167,8 +193,9 @@ class Manifest(BaseModel):
             raise invalid(f"is corrupt: {field + ': ' if field else ''}{first['msg']}") from exc
         except (ValueError, TypeError, RecursionError) as exc:  # whatever the parser did not wrap
             raise invalid(f"is corrupt: {type(exc).__name__}") from exc
-        if manifest.format_version != FORMAT_VERSION:
-            raise invalid(f"has format {manifest.format_version}, this dist_ckpt reads {FORMAT_VERSION}")
+        if manifest.format_version not in READABLE_FORMATS:
+            raise invalid(f"has format {manifest.format_version}, this dist_ckpt reads "
+                          f"{', '.join(map(str, READABLE_FORMATS))}")
         if manifest.generation != generation:
             raise invalid(f"names {_short(manifest.generation)}, found in {generation!r}")
         if len(manifest.files) > MAX_FILES:

@@ -2,7 +2,7 @@
 
 A generation is trusted only if its manifest parses, names only safe relative paths, lists
 the files every component needs, and every listed file has the recorded size (and, for the
-integrity level, the recorded sha256). Nothing here deserialises a pickle.
+integrity level, the recorded digest). Nothing here deserialises a pickle.
 
 Nothing is opened before the store's ``checked_size`` found it a regular file reached without
 links (``regular_file_size``): a FIFO would block its reader forever, a symbolic link (or a
@@ -12,11 +12,11 @@ their bound.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .. import progress
+from ..digests import digest_bytes
 from ..errors import SignatureError, StorageError, UnsafeFileError, ValidationError
 from ..storage.base import Store, StoreReader
 from .manifest import (
@@ -121,8 +121,9 @@ def check_structure(backend: StoreReader, generation: str, *, key: bytes | None 
 
 
 def check_entry(generation: str, path: str, entry: FileEntry | None, size: int,
-                sha256: str | None = None) -> None:
-    """The one comparison of a file's size (and, when given, sha256) with its manifest entry;
+                digest: str | None = None) -> None:
+    """The one comparison of a file's size (and, when given, its digest, computed with the
+    entry's algorithm) with its manifest entry;
     raises ``ValidationError`` naming the file. Every reader of a listed file comes here."""
     if entry is None:
         raise ValidationError(f"{generation}: the manifest lists no {path}", generation=generation,
@@ -130,9 +131,9 @@ def check_entry(generation: str, path: str, entry: FileEntry | None, size: int,
     if size != entry.size:
         raise ValidationError(f"{generation}: file {path} does not match its manifest entry: "
                               f"{size} bytes, manifest says {entry.size}", generation=generation, path=path)
-    if sha256 is not None and sha256 != entry.sha256:
-        raise ValidationError(f"{generation}: file {path} does not match its manifest entry: sha256 "
-                              f"{sha256[:12]}..., manifest says {entry.sha256[:12]}...",
+    if digest is not None and digest != entry.digest:
+        raise ValidationError(f"{generation}: file {path} does not match its manifest entry: "
+                              f"{entry.algorithm} {digest[:12]}..., manifest says {entry.digest[:12]}...",
                               generation=generation, path=path)
 
 
@@ -158,7 +159,7 @@ def check_digests(backend: StoreReader, generation: str, manifest: Manifest,
             continue
         rel = f"{generation}/{manifest.location(entry.path)}"
         regular_file_size(backend, rel, generation=generation, path=entry.path, checked_dirs=sound)
-        digest = backend.sha256(rel)
+        digest = backend.digest(rel, entry.algorithm)
         progress.advance(entry.size)
         check_entry(generation, entry.path, entry, entry.size, digest)
 
@@ -174,7 +175,8 @@ def read_verified(backend: StoreReader, generation: str, manifest: Manifest, pat
         size = regular_file_size(backend, rel, generation=generation, path=path)
         check_entry(generation, path, entry, size)  # before reading: never a file of the wrong size
         raw = backend.read_bytes(rel)
-        check_entry(generation, path, entry, len(raw), hashlib.sha256(raw).hexdigest())
+        assert entry is not None
+        check_entry(generation, path, entry, len(raw), digest_bytes(raw, entry.algorithm))
     except ValidationError as exc:
         if not validated:
             raise

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from ..errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError
-from ..format.manifest import GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
+from ..format.manifest import DCP_DIR, GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
 from ..format.validate import (
     Problem,
     check_digests,
@@ -35,6 +35,7 @@ from ..restart.state import TrainState
 from ..storage.base import StoreReader
 from ..tiers.base import CommitTier
 from .layout import check_layout
+from .onepass import OnePassReader
 
 
 @dataclass
@@ -56,11 +57,13 @@ class RestoreResult:
 
 
 def select_generation(comm: Comm, tiers: list[CommitTier], *, digests: bool = True,
-                     key: bytes | None = None, skip: frozenset[tuple[str, str]] = frozenset()
+                     key: bytes | None = None, skip: frozenset[tuple[str, str]] = frozenset(),
+                     shards_on_load: bool = False
                      ) -> tuple[str | None, Manifest | None, CommitTier | None, list[Problem]]:
     """The newest generation that validates in any tier (local first, then the mirror); with
     ``key``, only signed manifests validate. ``skip`` holds (generation, tier url) pairs
-    already rejected by this restore."""
+    already rejected by this restore. ``shards_on_load``: the DCP shard files are hashed by
+    the load itself (``OnePassReader``), so selection checks their sizes only."""
     rejected: list[Problem] = []
     listings = comm.broadcast([_listing(t.store) for t in tiers] if comm.rank == 0 else None)
     names = sorted(set().union(*listings), key=parse_generation, reverse=True)
@@ -68,7 +71,8 @@ def select_generation(comm: Comm, tiers: list[CommitTier], *, digests: bool = Tr
         for tier, listing in zip(tiers, listings, strict=True):
             if name not in listing or (name, tier.url) in skip:
                 continue
-            verdict = validate_everywhere(comm, tier.store, name, digests=digests, key=key)
+            verdict = validate_everywhere(comm, tier.store, name, digests=digests, key=key,
+                                          shards_on_load=shards_on_load)
             if isinstance(verdict, Problem):
                 verdict.tier = tier.url
                 rejected.append(verdict)
@@ -85,8 +89,9 @@ def _listing(backend: StoreReader) -> set[str]:
 
 
 def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests: bool,
-                         key: bytes | None) -> Manifest | Problem:
-    """Rank 0 checks structure and sizes; the digest check is split across ranks."""
+                         key: bytes | None, shards_on_load: bool = False) -> Manifest | Problem:
+    """Rank 0 checks structure and sizes; the digest check is split across ranks (all of it,
+    or, with ``shards_on_load``, all but the DCP shards, which the load hashes)."""
     if comm.rank == 0:
         try:
             checked = check_structure(backend, name, key=key)
@@ -106,6 +111,8 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
         # digest is checked even when the caller turned digests off (an opt-out for trusted
         # storage: shards' non-tensor items are unpickled without restriction too)
         hashed = set(mine) if digests else set(mine) & ALWAYS_HASHED
+        if shards_on_load:
+            hashed = {p for p in hashed if p in ALWAYS_HASHED or not p.startswith(f"{DCP_DIR}/")}
         check_digests(backend, name, manifest, hashed)
         # the rest of this rank's share by size (a node-local copy may lack other nodes'
         # files); a hashed file needs no size check: a missing or resized one fails its digest
@@ -129,7 +136,10 @@ def _reason(exc: Exception) -> str:
 def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
                     manifest: Manifest, components: Iterable[str], *,
                     allow_contract_change: bool, strict_torch_version: bool,
-                    scratch_parent: str | None = None) -> RestoreResult:
+                    scratch_parent: str | None = None, one_pass: bool = False) -> RestoreResult:
+    """Load generation ``name`` into ``state`` (all ranks). ``one_pass``: the shards were not
+    hashed at selection; the load hashes them (every rank agrees before any tensor is
+    written)."""
     wanted = tuple(c for c in state.components if c in set(components))
     missing = [c for c in wanted if c not in manifest.components]
     if missing:
@@ -147,7 +157,7 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
         result.warnings.append(message)
 
     template = state.tensor_state(wanted)
-    _dcp_load(comm, tier, name, manifest, template, scratch_parent)
+    _dcp_load(comm, tier, name, manifest, template, scratch_parent, one_pass)
     backend = tier.store
     state.load_tensor_state(template)
 
@@ -166,18 +176,20 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
 
 
 def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest, template: dict,
-              scratch_parent: str | None) -> None:
+              scratch_parent: str | None, one_pass: bool) -> None:
     """DCP load of ``template`` (all ranks); a verification failure on any rank becomes one
     ``ValidationError`` naming each failing rank's file."""
     reader = tier.open_reader(name, manifest, scratch_parent)
+    verifying = OnePassReader(reader, comm, name, manifest) if one_pass else None
+    storage_reader = verifying if verifying is not None else reader.storage_reader
     try:
         check_layout(name, reader.read_metadata(), template)  # before anything is written into
         if comm.distributed:
-            dcp.load(template, storage_reader=reader.storage_reader, process_group=comm.group)
+            dcp.load(template, storage_reader=storage_reader, process_group=comm.group)
         else:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(template, storage_reader=reader.storage_reader)
+                dcp.load(template, storage_reader=storage_reader)
     except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
         failed = {rank: failure for rank, (failure, _) in getattr(exc, "failures", {}).items()
                   if isinstance(failure, ValidationError)}
@@ -190,4 +202,6 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest, templ
         raise ValidationError(f"{name} could not be loaded: {detail}", generation=name,
                               path=getattr(first, "path", None)) from exc
     finally:
+        if verifying is not None:
+            verifying.close()
         reader.close()

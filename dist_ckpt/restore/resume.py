@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 def resume(mgr: CheckpointManager, components: Iterable[str] | None,
            allow_contract_change: bool | None, verify_digests: bool) -> RestoreResult:
     tiers = [mgr.tier] + ([mgr.mirror_tier] if mgr.mirror_tier is not None else [])
+    # with digests on, the shards are hashed by the load itself: every byte is read once
     select = functools.partial(select_generation, mgr.comm, tiers, digests=verify_digests,
-                               key=mgr.config.signing_key)
+                               key=mgr.config.signing_key, shards_on_load=verify_digests)
     name, manifest, tier, rejected = select()
     faults.hit("restore.selected", mgr.comm.rank)
     if name is None and rejected and all(p.signature for p in rejected) \
@@ -63,7 +64,7 @@ def resume(mgr: CheckpointManager, components: Iterable[str] | None,
     result, late = None, []
     while name is not None and manifest is not None and tier is not None:
         faults.hit("restore.before_load", mgr.comm.rank)
-        result, problem = _load_agreed(mgr, tier, name, manifest, wanted, allow)
+        result, problem = _load_agreed(mgr, tier, name, manifest, wanted, allow, verify_digests)
         if problem is None:
             break
         # its bytes changed after validation: rejected like any other, and the next one tried
@@ -87,14 +88,17 @@ def resume(mgr: CheckpointManager, components: Iterable[str] | None,
 
 
 def _load_agreed(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: Manifest,
-                 components: Iterable[str], allow: bool) -> tuple[RestoreResult | None, Problem | None]:
-    """``load_generation`` on every rank, then one all-gather: a file that changed after
-    validation on any rank fails the generation on all of them (never a mixed load)."""
+                 components: Iterable[str], allow: bool, one_pass: bool
+                 ) -> tuple[RestoreResult | None, Problem | None]:
+    """``load_generation`` on every rank, then one all-gather: a shard that fails its digest
+    (``one_pass``: hashed by the load) or a file that changed after validation, on any rank,
+    fails the generation on all of them (never a mixed load)."""
     result, problem = None, None
     try:
         result = load_generation(
             mgr.comm, tier, mgr.state, name, manifest, components, allow_contract_change=allow,
-            strict_torch_version=mgr.config.strict_torch_version, scratch_parent=mgr.config.cache_dir)
+            strict_torch_version=mgr.config.strict_torch_version, scratch_parent=mgr.config.cache_dir,
+            one_pass=one_pass)
     except ValidationError as exc:
         problem = Problem(name, str(exc), exc.path, tier=tier.url)
     problems = [p for p in mgr.comm.all_gather(problem) if p is not None]

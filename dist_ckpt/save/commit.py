@@ -24,7 +24,7 @@ from ..format.manifest import DCP_DIR, FORMAT_VERSION, FileEntry, Manifest
 from ..protocol import messages
 from ..protocol.comm import Comm
 from ..protocol.messages import CommitOutcome, RankReport
-from ..storage.local import file_sha256, fsync_file
+from ..storage.local import file_digest, fsync_file
 from .request import SaveRequest
 
 
@@ -96,5 +96,5 @@ def _write_dcp_metadata(request: SaveRequest, results: list) -> FileEntry:
     path = os.path.join(dcp_dir, ".metadata")
     # DCP fsyncs .metadata before flushing its buffer; fsync the finished file ourselves
     fsync_file(path)
-    size, digest = file_sha256(path)
-    return FileEntry(path=f"{DCP_DIR}/.metadata", size=size, sha256=digest, rank=0)
+    size, digest = file_digest(path, request.digest_algorithm)
+    return FileEntry.of(f"{DCP_DIR}/.metadata", size, request.digest_algorithm, digest, rank=0)

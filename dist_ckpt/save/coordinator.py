@@ -5,7 +5,7 @@ the caller's thread for a synchronous save or in a background thread for an asyn
 one; the full sequence with store keys is in docs/architecture.md, "Save"):
 
 1. ``write_rank_files`` (all ranks): DCP shard data and this rank's state files below the
-   attempt's local directory, hashed (sha256) while written, each file fsynced; then
+   attempt's local directory, hashed (BLAKE3 by default) while written, each file fsynced; then
    ``Attempt.put_files`` hands them to the tier (an object store uploads and verifies them).
 2. report (all ranks): a ``RankReport`` under ``report_key(G, A, rank)``: files, sizes,
    digests, DCP write results, or the error.
@@ -24,7 +24,6 @@ node-copy (``published``) key acknowledge it; the rank that set it deletes it on
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 import pickle
 import threading
@@ -32,6 +31,7 @@ import time
 import traceback
 
 from .. import faults
+from ..digests import digest_bytes
 from ..errors import CommitError
 from ..format.manifest import DCP_DIR, GLOBAL_STATE_FILE, STATE_DIR, rank_state_file
 from ..protocol import messages
@@ -42,7 +42,7 @@ from ..tiers.base import remove_own_files
 from .commit import commit
 from .priority import lower_thread_priority
 from .request import SaveJob, SaveRequest
-from .shardio import SaveAbandoned, hashing_writer
+from .shardio import SaveAbandoned, hashing_writer, without_zip_crc32
 
 __all__ = ["SaveJob", "SaveRequest", "StoreKeyRetirer", "run_save", "run_save_in_background"]
 
@@ -86,6 +86,8 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
     Past the commit deadline the generation cannot commit: the remaining writes are abandoned
     (``SaveAbandoned``) instead of finished, so a slow disk does not hold the next save."""
     faults.hit("write.before", rank)
+    if request.staging_error is not None:
+        raise request.staging_error
     local_dir = request.attempt.local_dir
     dcp_dir = os.path.join(local_dir, DCP_DIR)
     state_dir = os.path.join(local_dir, STATE_DIR)
@@ -97,9 +99,12 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
         timer = threading.Timer(max(0.0, request.started + commit_timeout_s - time.monotonic()), cancel.set)
         timer.daemon = True
         timer.start()
-    writer, filesystem = hashing_writer(dcp_dir, thread_count=io_threads, cancel=cancel, rank=rank)
+    algorithm = request.digest_algorithm
+    writer, filesystem = hashing_writer(dcp_dir, thread_count=io_threads, cancel=cancel, rank=rank,
+                                        algorithm=algorithm)
     try:
-        results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()
+        with without_zip_crc32():  # the file digest covers every byte already
+            results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()
         if cancel.is_set():
             raise SaveAbandoned("the commit deadline passed while writing: not finished")
     except Exception as exc:
@@ -111,7 +116,7 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
     finally:
         if timer is not None:
             timer.cancel()
-    entries = [{"path": f"{DCP_DIR}/{name}", "size": size, "sha256": digest, "rank": rank}
+    entries = [{"path": f"{DCP_DIR}/{name}", "size": size, algorithm: digest, "rank": rank}
                for name, (size, digest) in sorted(filesystem.digests.items())]
     faults.hit("write.shards_written", rank)  # mid-write: shards on disk, state files not yet
     state_files = [(rank_state_file(rank), request.rank_state)]
@@ -119,7 +124,7 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
         state_files.append((GLOBAL_STATE_FILE, request.global_state))
     for rel, data in state_files:
         write_durable(os.path.join(local_dir, rel), data)
-        entries.append({"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+        entries.append({"path": rel, "size": len(data), algorithm: digest_bytes(data, algorithm),
                         "rank": rank})
     fsync_dir(dcp_dir)
     fsync_dir(state_dir)

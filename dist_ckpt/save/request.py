@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..digests import DEFAULT_ALGORITHM
 from ..errors import CommitError
 from ..tiers.base import Attempt
 from .planning import PreparedSave
@@ -35,6 +36,8 @@ class SaveRequest:
     info: ManifestInfo | None  # rank 0 only
     signing_key: bytes | None = field(default=None, repr=False)  # HMAC key for manifest.sig
     started: float = field(default_factory=time.monotonic)
+    digest_algorithm: str = DEFAULT_ALGORITHM  # of every file this save writes (manifest records it)
+    staging_error: Exception | None = None  # a lazy copy that failed: nothing may be written
 
     @property
     def attempt_id(self) -> str:

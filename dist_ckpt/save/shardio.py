@@ -1,4 +1,4 @@
-"""DCP shard files written with their sha256 computed on the way out.
+"""DCP shard files written with their digest (BLAKE3 by default) computed on the way out.
 
 DCP's ``FileSystemWriter`` fsyncs a data file through ``stream.fileno()`` while Python's
 buffer may still hold its tail; the stream here flushes before handing out the descriptor,
@@ -12,7 +12,6 @@ costs the job at most the deadline plus the request already in progress.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import threading
@@ -21,8 +20,37 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.utils.serialization import config as serialization_config
 
 from .. import faults
+from ..digests import DEFAULT_ALGORITHM, hasher
+
+_crc_lock = threading.Lock()
+_crc_off_writers = 0
+_crc_saved: bool | None = None
+
+
+@contextmanager
+def without_zip_crc32() -> Generator[None, None, None]:
+    """DCP stores each tensor as a ``torch.save`` zip whose writer computes a CRC32 of every
+    byte (about 2 GB/s on one core: as much CPU as the BLAKE3 digest). The file digest already
+    covers every byte, so the CRC is skipped while shard files are written; ``torch.load``
+    (and so ``dcp.load``) does not check it. The switch is torch's process-wide
+    ``torch.utils.serialization.config.save.compute_crc32``: a ``torch.save`` that another
+    thread runs meanwhile writes a zip without CRC32 too (``torch.load`` reads it the same)."""
+    global _crc_off_writers, _crc_saved
+    with _crc_lock:
+        if _crc_off_writers == 0:
+            _crc_saved = serialization_config.save.compute_crc32
+            serialization_config.save.compute_crc32 = False
+        _crc_off_writers += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_off_writers -= 1
+            if _crc_off_writers == 0 and _crc_saved is not None:
+                serialization_config.save.compute_crc32 = _crc_saved
 
 
 class SaveAbandoned(OSError):
@@ -31,10 +59,11 @@ class SaveAbandoned(OSError):
 
 class HashingStream(io.RawIOBase):
     def __init__(self, raw: io.BufferedWriter, on_error: Any = None,
-                 cancel: threading.Event | None = None, rank: int | None = None) -> None:
+                 cancel: threading.Event | None = None, rank: int | None = None,
+                 algorithm: str = DEFAULT_ALGORITHM) -> None:
         super().__init__()
         self._raw = raw
-        self._digest = hashlib.sha256()
+        self._digest = hasher(algorithm)
         self.size = 0
         self._on_error = on_error
         self._cancel = cancel
@@ -83,10 +112,12 @@ class HashingStream(io.RawIOBase):
 
 
 class HashingFileSystem(FileSystem):
-    """DCP filesystem whose write streams record (size, sha256) per file path."""
+    """DCP filesystem whose write streams record (size, digest) per file path."""
 
-    def __init__(self, cancel: threading.Event | None = None, rank: int | None = None) -> None:
+    def __init__(self, cancel: threading.Event | None = None, rank: int | None = None,
+                 algorithm: str = DEFAULT_ALGORITHM) -> None:
         super().__init__()
+        self.algorithm = algorithm
         self.digests: dict[str, tuple[int, str]] = {}
         self.errors: list[OSError] = []  # write errors, in the order they happened
         self.cancel = cancel
@@ -103,7 +134,8 @@ class HashingFileSystem(FileSystem):
         with self._lock:
             self.created.append(os.fspath(path))
         with open(path, mode) as raw:
-            stream = HashingStream(raw, on_error=self.errors.append, cancel=self.cancel, rank=self.rank)
+            stream = HashingStream(raw, on_error=self.errors.append, cancel=self.cancel, rank=self.rank,
+                                   algorithm=self.algorithm)
             yield stream
             stream.close()
             stream._check_cancel()  # no fsync of a doomed file either
@@ -113,10 +145,11 @@ class HashingFileSystem(FileSystem):
 
 
 def hashing_writer(path: str, *, thread_count: int, cancel: threading.Event | None = None,
-                   rank: int | None = None) -> tuple[FileSystemWriter, HashingFileSystem]:
+                   rank: int | None = None, algorithm: str = DEFAULT_ALGORITHM
+                   ) -> tuple[FileSystemWriter, HashingFileSystem]:
     # sync_files=False: the stream fsyncs once, after the last byte is flushed
     writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=False,
                               thread_count=thread_count, overwrite=True)
-    filesystem = HashingFileSystem(cancel, rank)
+    filesystem = HashingFileSystem(cancel, rank, algorithm)
     writer.fs = filesystem
     return writer, filesystem

@@ -4,19 +4,33 @@
 training loop cannot touch. The pool holds ``slots`` copies (the in-flight bound): each slot
 keeps one buffer per tensor, allocated on first use (pinned when the source is on CUDA) and
 reused while the layout is unchanged.
+
+``stage`` copies at once (the eager snapshot). ``mirror`` builds the staged structure without
+the data of the tensors a ``defer`` predicate picks and returns them as (buffer, source) pairs,
+which ``dist_ckpt.save.snapshot`` copies later (the lazy snapshot); the others it copies at
+once, from CUDA queued on the current stream (the caller synchronises that stream's work).
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import StagingError
 from ..restart.tree import walk
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, live source): a copy still to do
+
+
+class Mirror(NamedTuple):
+    staged: Any  # the staged structure: what the DCP plan and the writer see
+    deferred: list[Pair]  # copies not done yet
+    queued: set[torch.device]  # CUDA devices whose current stream has copies into it queued
 
 
 def local_tensors(state: Any) -> list[torch.Tensor]:
@@ -39,18 +53,31 @@ class StagingSlot:
 
     def stage(self, state: Any) -> Any:
         """Copy ``state`` into this slot's buffers; returns the staged mirror of ``state``."""
-        seen: set[str] = set()
-        staged = self._stage(state, "", seen)
-        for stale in set(self.buffers) - seen:
-            self.pool._account(-self._bytes(self.buffers.pop(stale)))
-            self._wrappers.pop(stale, None)
+        staged, pairs, _ = self.mirror(state, lambda _: True)
+        for buffer, source in pairs:
+            buffer.copy_(source, non_blocking=source.is_cuda)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         return staged
 
-    def _stage(self, value: Any, path: str, seen: set[str]) -> Any:
+    @torch.no_grad()  # DTensor.to_local without an autograd node per tensor
+    def mirror(self, state: Any, defer: Callable[[torch.Tensor], bool]) -> Mirror:
+        """The staged mirror of ``state`` (buffers allocated or reused, DTensor wrappers, other
+        values copied) and the (buffer, source) pairs of the tensors ``defer`` picked, whose
+        data is not copied yet. Every other tensor is copied before this returns, except that
+        a copy from CUDA is only queued on the current stream of its device (``queued``)."""
+        seen: set[str] = set()
+        result = Mirror(None, [], set())
+        staged = self._stage(state, "", seen, result, defer)
+        for stale in set(self.buffers) - seen:
+            self.pool._account(-self._bytes(self.buffers.pop(stale)))
+            self._wrappers.pop(stale, None)
+        return result._replace(staged=staged)
+
+    def _stage(self, value: Any, path: str, seen: set[str], out: Mirror,
+               defer: Callable[[torch.Tensor], bool]) -> Any:
         if isinstance(value, DTensor):
-            local = self._copy(value.to_local(), path, seen)
+            local = self._buffer(value.to_local(), path, seen, out, defer)
             # the wrapper only describes the buffer; reuse it while buffer and spec are the same
             key = (id(local), value.device_mesh, tuple(value.placements), value.shape, value.stride())
             cached = self._wrappers.get(path)
@@ -61,15 +88,16 @@ class StagingSlot:
                 self._wrappers[path] = cached
             return cached[1]
         if isinstance(value, torch.Tensor):
-            return self._copy(value, path, seen)
+            return self._buffer(value, path, seen, out, defer)
         if isinstance(value, dict):
-            return {k: self._stage(v, f"{path}/{k}", seen) for k, v in value.items()}
+            return {k: self._stage(v, f"{path}/{k}", seen, out, defer) for k, v in value.items()}
         if isinstance(value, list | tuple):
-            items = [self._stage(v, f"{path}/{i}", seen) for i, v in enumerate(value)]
+            items = [self._stage(v, f"{path}/{i}", seen, out, defer) for i, v in enumerate(value)]
             return type(value)(items)
         return copy.deepcopy(value)
 
-    def _copy(self, source: torch.Tensor, path: str, seen: set[str]) -> torch.Tensor:
+    def _buffer(self, source: torch.Tensor, path: str, seen: set[str], out: Mirror,
+                defer: Callable[[torch.Tensor], bool]) -> torch.Tensor:
         seen.add(path)
         source = source.detach()
         buffer = self.buffers.get(path)
@@ -83,7 +111,12 @@ class StagingSlot:
                 raise StagingError(f"cannot allocate staging buffer for {path}: {exc}") from exc
             self.buffers[path] = buffer
             self.pool._account(self._bytes(buffer))
-        buffer.copy_(source, non_blocking=source.is_cuda)
+        if defer(source):
+            out.deferred.append((buffer, source))
+        else:
+            buffer.copy_(source, non_blocking=source.is_cuda)
+            if source.is_cuda:
+                out.queued.add(source.device)
         return buffer
 
     @staticmethod

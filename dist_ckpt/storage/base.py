@@ -34,7 +34,8 @@ class StoreReader(Protocol):
         FIFO or device is ever opened) and at most ``limit`` bytes; else ``UnsafeFileError``.
         ``FileNotFoundError`` when missing. ``sound_dirs``: a cache of directories found sound."""
 
-    def sha256(self, rel: str) -> str: ...
+    def digest(self, rel: str, algorithm: str) -> str:
+        """Hex digest of ``rel``'s bytes with ``algorithm`` (``dist_ckpt.digests``)."""
 
     def tree_size(self, rel: str) -> int:
         """Bytes of every file below ``rel`` (0 when absent)."""

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import shutil
 import stat
 import uuid
 from typing import IO, BinaryIO
 
+from ..digests import HASH_CHUNK, hasher
 from ..errors import StorageError, UnsafeFileError
 
-HASH_CHUNK = 8 << 20
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISDIR, "a directory"))
@@ -79,8 +78,9 @@ def open_regular(path: str) -> BinaryIO:
         raise
 
 
-def file_sha256(path: str) -> tuple[int, str]:
-    digest = hashlib.sha256()
+def file_digest(path: str, algorithm: str) -> tuple[int, str]:
+    """(size, hex digest) of a regular file, read once in large chunks."""
+    digest = hasher(algorithm)
     size = 0
     with open_regular(path) as handle:
         while chunk := handle.read(HASH_CHUNK):
@@ -148,8 +148,8 @@ class LocalBackend:
                                   f"{'regular file' if last else 'directory'} (refused unopened)")
         raise UnsafeFileError("is the root itself, not a file")
 
-    def sha256(self, rel: str) -> str:
-        return file_sha256(self._path(rel))[1]
+    def digest(self, rel: str, algorithm: str) -> str:
+        return file_digest(self._path(rel), algorithm)[1]
 
     def tree_size(self, rel: str) -> int:
         return sum(os.path.getsize(os.path.join(folder, name))

@@ -78,6 +78,10 @@ class GenerationReader(Protocol):
 
     def read_metadata(self) -> Metadata: ...
 
+    def local_copy(self, rel: str) -> tuple[str, bool]:
+        """A local path holding ``dcp/<rel>`` (the file itself, or a private copy) and whether
+        its bytes were checked against the manifest on the way there."""
+
     def close(self) -> None: ...
 
 
@@ -149,6 +153,7 @@ class LocalFilesReader:
         self.generation = generation
         self.manifest = manifest
         self.errors: list[ValidationError] = []
+        self.dcp_dir = dcp_dir
         self._metadata: Metadata | None = None
         self.storage_reader: StorageReader = _VerifiedMetadataReader(dcp_dir, self)
 
@@ -161,6 +166,10 @@ class LocalFilesReader:
                                       generation=self.generation, path=METADATA_FILE)
             self._metadata = metadata
         return self._metadata
+
+    def local_copy(self, rel: str) -> tuple[str, bool]:
+        """``dcp/<rel>`` in place (unverified: the one-pass reader hashes it)."""
+        return os.path.join(self.dcp_dir, rel), False
 
     def close(self) -> None:
         pass
@@ -230,6 +239,9 @@ class TierOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
     scratch_root: str | None = None  # local directory for attempts of a tier without paths
     concurrency: int = 4  # uploads in flight per rank, where a tier uploads
+    # how an object store's uploads are checked: "checksum" (sent with each body, one HEAD)
+    # or "readback" (each object downloaded and hashed again)
+    upload_verification: str = "checksum"
 
 
 TierFactory = Callable[[str, TierOptions], CommitTier]

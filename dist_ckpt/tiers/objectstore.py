@@ -3,8 +3,10 @@
 Protocol for generation ``G`` (docs/architecture.md, "Save"):
 1. every rank writes its files to a private local scratch directory, then uploads them below
    ``G/attempt-<attempt id>/`` (unique to this attempt, so two writers of ``G`` never mix
-   objects) and verifies each object: size from the store, sha256 of the bytes read back,
-   both against what the client computed locally;
+   objects) and verifies each object: with ``upload_verification="checksum"`` (the default)
+   each request body carries its CRC32C (or SHA256), which the store checks, and one HEAD
+   compares size and stored checksum with what was sent; with ``"readback"`` the size from the
+   store and the digest of the bytes read back are compared with the manifest entry;
 2. rank 0, after every rank reported, uploads the signature into the attempt's directory,
    creates ``G/manifest.json`` with a conditional create (exactly one writer wins), checks
    the structure and the listed objects' sizes, then replaces ``latest.json``.
@@ -26,6 +28,7 @@ from ..errors import GenerationExists, StorageError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, check_structure, move_latest
+from ..storage import checksum
 from ..storage.base import is_remote
 from ..storage.objectstore import ObjectStoreBackend
 from .base import (
@@ -41,30 +44,62 @@ from .base import (
 from .verified import VerifiedObjectReader
 
 log = logs.get(__name__)
+_READ_BACK_ROOTS: set[str] = set()  # stores that report no checksum: warned once each
 
 
 def upload_files(store: ObjectStoreBackend, local_base: str, prefix: str, entries: list[dict], *,
-                 verify_digest: bool = True, concurrency: int = 4) -> None:
-    """Upload and verify this rank's files (all ranks call this for their own entries)."""
+                 concurrency: int = 4) -> None:
+    """Upload and verify this rank's files (all ranks call this for their own entries).
+
+    Where the store takes transport checksums (``store.sends_checksums``: S3 and the tier's
+    ``upload_verification="checksum"``), each body goes up with its checksum and one HEAD
+    checks size and checksum; otherwise each object is read back and hashed ("readback")."""
 
     def one(entry: dict) -> None:
         rel = f"{prefix}/{entry['path']}"
         local = os.path.join(local_base, entry["path"])
-        if faults.hit("upload.file", entry["rank"]).get("truncate"):
-            with open(local, "rb") as handle:  # an injected short upload
-                store.put_bytes(rel, handle.read()[: entry["size"] // 2])
-        else:
-            store.put_file(local, rel)
-        size = store.size(rel)
-        if size != entry["size"]:
-            raise StorageError(f"uploaded {rel} has {size} bytes, expected {entry['size']}")
-        if verify_digest and store.sha256(rel) != entry["sha256"]:
-            raise StorageError(f"uploaded {rel} does not match its sha256")
+        try:
+            if faults.hit("upload.file", entry["rank"]).get("truncate"):
+                with open(local, "rb") as handle:  # an injected short upload
+                    store.put_bytes(rel, handle.read()[: entry["size"] // 2])
+                sent = None
+            elif store.sends_checksums:
+                sent = store.put_file_checksummed(local, rel)
+            else:
+                store.put_file(local, rel)
+                sent = None
+            verify_upload(store, rel, entry, sent)
+        except OSError as exc:  # s3fs's translation of a refused request (BadDigest: EIO)
+            raise StorageError(f"upload of {rel} to {store.root} failed: {exc}") from exc
 
     if not entries:
         return
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(entries)))) as pool:
         list(pool.map(one, entries))
+
+
+def verify_upload(store: ObjectStoreBackend, rel: str, entry: dict, sent: str | None) -> None:
+    """Size and transport checksum from one HEAD when ``sent`` is the checksum the upload sent;
+    else (read-back mode, or a store that reports no checksum) size, then the manifest digest
+    of the bytes read back."""
+    if sent is not None:
+        size, stored = store.head_checksum(rel)
+    else:
+        size, stored = store.size(rel), None
+    if size != entry["size"]:
+        raise StorageError(f"uploaded {rel} has {size} bytes, expected {entry['size']}")
+    if sent is not None and stored is not None:
+        if not checksum.matches(stored, sent):
+            raise StorageError(f"uploaded {rel}: the store holds {store.checksum_algorithm} {stored}, "
+                               f"the upload sent {sent}")
+        return
+    if sent is not None and store.root not in _READ_BACK_ROOTS:
+        _READ_BACK_ROOTS.add(store.root)
+        log.warning("%s reports no %s checksum of uploaded objects (%s): verifying them by reading "
+                    "them back", store.root, store.checksum_algorithm, rel)
+    algorithm = "blake3" if "blake3" in entry else "sha256"
+    if store.digest(rel, algorithm) != entry[algorithm]:
+        raise StorageError(f"uploaded {rel} does not match its {algorithm}")
 
 
 class ObjectStoreAttempt:
@@ -126,8 +161,9 @@ class ObjectStoreTier:
     keeps_rejected = False
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 scratch_root: str | None = None, concurrency: int = 4) -> None:
-        self.store = ObjectStoreBackend(url, storage_options)
+                 scratch_root: str | None = None, concurrency: int = 4,
+                 upload_verification: str = "checksum") -> None:
+        self.store = ObjectStoreBackend(url, storage_options, checksums=upload_verification == "checksum")
         self.url = self.store.root
         self.local_root = scratch_root or tempfile.gettempdir()
         self.local_ranks: frozenset[int] | None = None  # one copy: every rank's files
@@ -155,4 +191,4 @@ class ObjectStoreTier:
 
 
 register_tier(is_remote, lambda url, options: ObjectStoreTier(
-    url, options.storage_options, options.scratch_root, options.concurrency))
+    url, options.storage_options, options.scratch_root, options.concurrency, options.upload_verification))

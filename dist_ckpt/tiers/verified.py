@@ -4,7 +4,7 @@ Validation hashes every object before a generation is chosen, but DCP then downl
 objects again: a writer of the bucket could swap ``.metadata`` (an unrestricted pickle) or
 a shard in between. :class:`VerifiedObjectReader` closes that window. Each file DCP opens
 is downloaded once into a private local directory, hashed while it streams, compared with
-the manifest's size and sha256, and only then read (or unpickled) from that local copy.
+the manifest's size and digest, and only then read (or unpickled) from that local copy.
 
 Protocol: construct per load on every rank with the generation's trusted manifest; pass it
 to ``dcp.load``; call ``cleanup()`` afterwards (the local copies are deleted).
@@ -12,7 +12,6 @@ to ``dcp.load``; call ``cleanup()`` afterwards (the local copies are deleted).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..digests import hasher
 from ..errors import ValidationError
 from ..format.manifest import Manifest
 from ..format.validate import check_entry
@@ -46,11 +46,14 @@ class _DownloadingFileSystem(FileSystem):
         if "r" not in mode or "+" in mode:
             raise ValidationError("a verified reader never writes", generation=self.generation)
         rel = Path(path).relative_to(self.local_dir).as_posix()
+        with open(self.local_copy(rel), "rb") as handle:
+            yield handle
+
+    def local_copy(self, rel: str) -> Path:
         local = self.local_dir / rel
         if not local.exists():
             self._download(rel, local)
-        with open(local, "rb") as handle:
-            yield handle
+        return local
 
     def _download(self, rel: str, local: Path) -> None:
         where = f"dcp/{rel}"
@@ -59,7 +62,7 @@ class _DownloadingFileSystem(FileSystem):
             raise self._fail(ValidationError(f"{self.generation}: DCP asked for {where}, which the "
                                              "manifest does not list", generation=self.generation,
                                              path=where))
-        digest, received = hashlib.sha256(), 0
+        digest, received = hasher(entry.algorithm), 0
         partial = local.with_name(local.name + ".partial")
         local.parent.mkdir(parents=True, exist_ok=True)
         with self.backend.open_read(f"{self.remote_dir}/{rel}") as source, open(partial, "wb") as sink:
@@ -105,6 +108,10 @@ class VerifiedObjectReader(FileSystemReader):
         if self._metadata is None:
             self._metadata = super().read_metadata(*args, **kwargs)
         return self._metadata
+
+    def local_copy(self, rel: str) -> tuple[str, bool]:
+        """``dcp/<rel>`` downloaded once (hashed while it streams) into the private copy."""
+        return os.fspath(self.fs.local_copy(rel)), True
 
     def close(self) -> None:
         shutil.rmtree(self.local_dir, ignore_errors=True)

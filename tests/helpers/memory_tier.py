@@ -14,6 +14,7 @@ import tempfile
 import threading
 from typing import IO
 
+from dist_ckpt.digests import digest_bytes
 from dist_ckpt.errors import GenerationExists, StorageError, UnsafeFileError
 from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest
 from dist_ckpt.format.signing import SIGNATURE_NAME, sign
@@ -77,10 +78,8 @@ class MemoryStore:
             raise UnsafeFileError(f"{size} bytes, over the {limit} byte bound")
         return size
 
-    def sha256(self, rel: str) -> str:
-        import hashlib
-
-        return hashlib.sha256(self.read_bytes(rel)).hexdigest()
+    def digest(self, rel: str, algorithm: str) -> str:
+        return digest_bytes(self.read_bytes(rel), algorithm)
 
     def tree_size(self, rel: str) -> int:
         return sum(len(self.objects[k]) for k in self._below(rel))

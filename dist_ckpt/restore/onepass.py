@@ -1,0 +1,187 @@
+"""Verified restore in one pass: every byte DCP loads is read from storage once, hashed
+where it lies, and used only after every rank's bytes matched the manifest.
+
+Call order (all ranks, inside ``dcp.load``, which calls ``read_data`` on every rank):
+
+1. ``read_data`` lists the shard files this rank's load plan touches;
+2. each is brought to local disk once by the tier's reader (``local_copy``: the file itself
+   on a POSIX root; a private copy for an object store, hashed while it downloads), mapped
+   into memory and, unless the download hashed it, hashed through the mapping (BLAKE3
+   releases the GIL and uses the rank's spare cores);
+3. one all-gather of the verdicts (every rank reaches it, whatever failed), so that either
+   every rank loads or none does: no tensor is written from a file that failed anywhere;
+4. DCP reads the items from the same mappings: the bytes it deserialises are the bytes that
+   were hashed, and the disk is read once.
+
+A file no rank's plan touches is not read (its size was checked at selection).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+
+from ..digests import hasher
+from ..errors import ValidationError
+from ..format.manifest import DCP_DIR, Manifest
+from ..format.validate import check_entry
+from ..protocol.comm import Comm
+from ..storage.local import open_regular
+
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+class LocalCopies(Protocol):
+    """What the one-pass reader needs from a tier's ``GenerationReader``."""
+
+    errors: list[ValidationError]
+
+    def read_metadata(self) -> Metadata: ...
+
+    def local_copy(self, rel: str) -> tuple[str, bool]:
+        """A local path holding ``dcp/<rel>``, and whether its bytes were already checked
+        against the manifest on the way (a verified download)."""
+
+
+class MappedStream(io.RawIOBase):
+    """A read-only, seekable stream over a memory mapping (no copy until read)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        chunk = self._view[self._pos:self._pos + len(target)]
+        target[:len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+class _MappedFileSystem(FileSystem):
+    def __init__(self, owner: OnePassReader) -> None:
+        super().__init__()
+        self.owner = owner
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):  # type: ignore[override]
+        if mode != "rb":
+            raise ValidationError("a verified reader never writes", generation=self.owner.generation)
+        rel = os.path.relpath(os.fspath(path), self.owner.path)
+        view = self.owner.mapped.get(rel)
+        if view is None:  # only files read_data mapped and verified are ever served
+            raise ValidationError(f"{self.owner.generation}: DCP asked for unverified dcp/{rel}",
+                                  generation=self.owner.generation, path=f"{DCP_DIR}/{rel}")
+        with MappedStream(view) as stream:
+            yield stream
+
+
+class OnePassReader(FileSystemReader):
+    """A DCP ``StorageReader`` that verifies what it serves (see the module docstring).
+    Construct per load on every rank; ``close()`` on every rank afterwards."""
+
+    def __init__(self, source: LocalCopies, comm: Comm, generation: str, manifest: Manifest,
+                 root_hint: str = "/verified") -> None:
+        super().__init__(root_hint)
+        self.source = source
+        self.comm = comm
+        self.generation = generation
+        self.manifest = manifest
+        self.fs = _MappedFileSystem(self)
+        self.mapped: dict[str, memoryview] = {}
+        self._maps: list[mmap.mmap] = []
+        self.errors = source.errors
+        self.hashed_bytes = 0
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.source.read_metadata()
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        needed = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        failure: ValidationError | None = None
+        try:
+            self._map_and_verify(needed)
+        except ValidationError as exc:
+            failure = exc
+        except OSError as exc:  # an unreadable file fails the generation like a wrong one
+            failure = ValidationError(f"{self.generation}: cannot read a shard: {exc}",
+                                      generation=self.generation)
+        verdicts = self.comm.all_gather(None if failure is None else (str(failure), failure.path))
+        failed = {rank: v for rank, v in enumerate(verdicts) if v is not None}
+        if failed:
+            rank = min(failed)
+            message, path = failed[rank]
+            error = ValidationError(message if failure is not None else f"rank {rank}: {message}",
+                                    generation=self.generation, path=path)
+            self.errors.append(error)
+            raise error
+        return super().read_data(plan, planner)
+
+    def _map_and_verify(self, needed: list[str]) -> None:
+        # the next file is fetched (downloaded or paged in) while this one is hashed
+        entries = {}
+        for rel in needed:  # only files the manifest lists are ever opened
+            where = f"{DCP_DIR}/{rel}"
+            entry = self.manifest.file(where)
+            if entry is None:
+                raise ValidationError(f"{self.generation}: DCP asked for {where}, which the manifest "
+                                      "does not list", generation=self.generation, path=where)
+            entries[rel] = entry
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-restore-io") as io_pool:
+            fetches = [io_pool.submit(self._fetch, rel) for rel in needed]
+            for rel, fetched in zip(needed, fetches, strict=True):
+                view, verified = fetched.result()
+                where, entry = f"{DCP_DIR}/{rel}", entries[rel]
+                check_entry(self.generation, where, entry, len(view))
+                if not verified:
+                    digest = hasher(entry.algorithm, threads=HASH_THREADS)
+                    digest.update(view)
+                    self.hashed_bytes += len(view)
+                    check_entry(self.generation, where, entry, len(view), digest.hexdigest())
+                self.mapped[rel] = view
+
+    def _fetch(self, rel: str) -> tuple[memoryview, bool]:
+        path, verified = self.source.local_copy(rel)
+        with open_regular(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size == 0:
+                return memoryview(b""), verified
+            mapping = mmap.mmap(handle.fileno(), size, prot=mmap.PROT_READ)
+        self._maps.append(mapping)
+        if hasattr(mmap, "MADV_WILLNEED"):  # read ahead: the hash and DCP follow in order
+            mapping.madvise(mmap.MADV_WILLNEED)
+        return memoryview(mapping), verified
+
+    def close(self) -> None:
+        for view in self.mapped.values():
+            view.release()
+        self.mapped.clear()
+        for mapping in self._maps:
+            try:
+                mapping.close()
+            except BufferError:  # a view DCP still holds: unmapped when it is collected
+                pass
+        self._maps.clear()
