@@ -2,6 +2,7 @@
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--state-mib N] [--repeats R] [--dir DIR]
                                          [--json bench-results.json] [--profile]
+                                         [--phases P,...] [--compare] [--steps N] [--profile-cpu]
 
 See scripts/bench/__init__.py for what each phase measures and the targets. Not a test.
 """

@@ -1,8 +1,10 @@
 """The dist_ckpt benchmark, as phases: every performance target measured in one run.
 
 Run: ``.venv/bin/python scripts/bench.py [--quick] [--state-mib N] [--repeats R] [--dir DIR]
-[--json bench-results.json] [--profile]`` (also ``python -m scripts.bench`` from the repository
-root, or ``python scripts/bench``). Not a test. Every phase drives the library through its
+[--json bench-results.json] [--profile] [--phases P,...] [--compare] [--steps N] [--profile-cpu]``
+(also ``python -m scripts.bench`` from the repository root, or ``python scripts/bench``).
+``--phases`` picks phases (default all; ``restore`` brings ``saves``, whose generation it reads);
+``--compare`` is ``--phases compare``. Not a test. Every phase drives the library through its
 public API (``CheckpointManager``, ``CheckpointConfig``, ``TrainState``) or, for the simulated
 commit, the documented save hooks; nothing in the library is patched.
 
@@ -17,6 +19,24 @@ Phases (2 gloo ranks, ``--state-mib`` MiB of FSDP2 model + AdamW state per rank,
 - ``interference``: train step time with no save in flight vs while an async save runs.
 - ``memory``: peak RSS while async saves run with ``max_in_flight`` K = 1 and 2.
 - ``commit_scale`` (one process): rank 0's commit for 8, 64, 512 and 4096 simulated reports.
+- ``compare`` (its own 2-rank run, then a 3-rank one): dist_ckpt side by side with raw DCP on
+  the same job and the same tensors (``get_state_dict`` of the model and AdamW). Methods (the
+  columns): our async save with the eager snapshot, with the lazy one (only when
+  ``"snapshot" in CheckpointConfig.model_fields``), our sync save, ``dcp.save``, default
+  ``dcp.async_save``, and ``dcp.async_save`` with a kept
+  ``DefaultStager(StagingOptions(use_async_staging=True))`` (the caller waits for
+  ``staging_completion`` before the next ``optimizer.step()``); raw DCP runs on a gloo group of
+  its own. Rounds (method order reversed every other round) measure per method: ``save()``
+  blocking; save to durable; the process's CPU seconds, user + system over every thread
+  (``getrusage``), of one save and its completion with no training running, per GiB of the
+  rank's state; the training time lost per checkpoint, ``--steps`` (default 8) train steps with
+  one save started before the first and waited for after the last, minus as many steps without
+  a save (the two runs adjacent, their order alternated); and the plain copy floor. Then, warm
+  (nothing dropped from the page cache, for either): verified ``restore()`` against an
+  unverified ``dcp.load`` + ``set_state_dict`` of the same generation's ``dcp/`` directory, at 2
+  ranks and, in the 3-rank run, resharded 2 -> 3. ``--profile-cpu`` adds, for one more eager
+  async save on rank 0, the user/system split per thread and ``py-spy record --native`` stacks
+  when py-spy is installed (``cpu_profile``).
 - ``report``: the timing table (slowest rank per repetition unless a row says otherwise), the
   memory table, each ratio next to its target (PASS / MISS), and the JSON document.
 
@@ -33,8 +53,21 @@ Targets (``report.TARGETS``):
 - peak RSS with K saves in flight / (baseline + K x state) <= 1.10, K = 1 and 2
 - rank-0 commit of 4096 reports < 1 s
 
+Compare targets (issue 12; ``compare_report.target_specs``), each judged as ``value <= target x
+reference`` so that a reference of 0 or less still judges:
+
+- training time lost, our async (eager; lazy) <= 0.5 x DCP async staging's and <= 0.5 x DCP
+  default ``async_save``'s
+- CPU seconds per GiB saved, our async <= 0.5 x DCP ``async_save``'s
+- lazy ``save()`` blocking <= 0.02 s and <= 2 x DCP async staging's; eager blocking <= 1.2 x the
+  plain copy
+- our sync save <= 0.9 x ``dcp.save``
+- verified ``restore()`` <= 1.3 x ``dcp.load`` of the same files, at 2 ranks and resharded 2 -> 3
+
 Modules: ``jobs`` (the job and timing helpers, shared with ``bench_async.py`` and
 ``bench_s3.py``), ``context`` (a rank's job), ``rawio`` (raw write/read floors), ``profiling``
-(cProfile, including the save threads via ``threading.setprofile``), one module per phase group,
-``runner`` (which processes run what), ``cli`` (options, output).
+(cProfile, including the save threads via ``threading.setprofile``), one module per phase group
+(``compare_methods`` holds the compared save methods, ``compare_report`` the compare table),
+``cpu_profile`` (``--profile-cpu``), ``runner`` (which processes run what), ``cli`` (options,
+output).
 """

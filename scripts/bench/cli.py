@@ -9,14 +9,19 @@ import tempfile
 import time
 from typing import Any
 
-from . import jobs, report
-from .runner import run_all
+from . import compare_report, jobs, report
+from .cpu_profile import format_profile
+from .runner import PHASES, run_all
 
 USAGE = """The dist_ckpt benchmark: every performance target measured in one run (2 gloo ranks).
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--state-mib N] [--repeats R] [--dir DIR]
                                          [--json bench-results.json] [--profile]
+                                         [--phases P,...] [--compare] [--steps N] [--profile-cpu]
        (or: python -m scripts.bench ..., python scripts/bench ...)
+
+Phases (default: all): saves, restore (needs saves), interference, memory, commit_scale, compare
+(dist_ckpt side by side with raw DCP save / async_save / async_save with async staging).
 
 Phases and targets: see the docstring of scripts/bench/__init__.py. Not a test.
 """
@@ -31,7 +36,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default="bench-results.json", help="where to write the results")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile one extra rank-0 save()/restore()/commit and print the top entries")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help=f"comma-separated phases to run (default all: {','.join(PHASES)})")
+    parser.add_argument("--compare", action="store_true", help="only the compare phase (--phases compare)")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="compare: train steps over which the training time lost is measured")
+    parser.add_argument("--profile-cpu", action="store_true",
+                        help="compare: per-thread CPU split (and py-spy stacks if installed) of one "
+                             "dist_ckpt async save on rank 0")
     args = parser.parse_args(argv)
+    args.phases = parse_phases(parser, "compare" if args.compare else args.phases)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
     args.state_mib = args.state_mib or (64 if args.quick else 512)
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.repeats < 3 or (args.repeats < 5 and not args.quick):
@@ -39,20 +55,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def parse_phases(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The selected phases in run order; restore reads the generation the saves phase leaves."""
+    wanted = {p.strip() for p in text.split(",") if p.strip()}
+    unknown = wanted - set(PHASES)
+    if unknown or not wanted:
+        parser.error(f"--phases: unknown {sorted(unknown)}; choose from {','.join(PHASES)}")
+    if "restore" in wanted:
+        wanted.add("saves")
+    return [p for p in PHASES if p in wanted]
+
+
 def print_header(args: argparse.Namespace, raw: dict[str, Any], walls: dict[str, float]) -> None:
-    saves = raw["main"][0]["saves"]
     print(f"\n{jobs.machine()}")
-    local_mib = raw["main"][0]["state_bytes"] / jobs.MiB
-    print(f"state {args.state_mib} MiB per rank ({local_mib:.0f} MiB local tensors), 2 gloo ranks, "
-          f"{args.repeats} repetitions; generation {saves['generation_bytes'] / jobs.MiB:.0f} MiB in "
-          f"{saves['generation_files']} files; wall {walls['total']:.0f} s")
-    steps = raw["main"][0]["interference"]["steps_per_save"]
-    print(f"interference: {len(steps)} async saves, train steps run while each was in flight: {steps}")
+    print(f"phases {','.join(args.phases)}; state {args.state_mib} MiB per rank, 2 gloo ranks, "
+          f"{args.repeats} repetitions; wall {walls['total']:.0f} s")
+    main = raw["main"][0] if raw["main"] else {}
+    if "saves" in main:
+        saves = main["saves"]
+        print(f"{main['state_bytes'] / jobs.MiB:.0f} MiB local tensors per rank; generation "
+              f"{saves['generation_bytes'] / jobs.MiB:.0f} MiB in {saves['generation_files']} files")
+    if "interference" in main:
+        steps = main["interference"]["steps_per_save"]
+        print(f"interference: {len(steps)} async saves, train steps run while each was in flight: {steps}")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = {"state_mib": args.state_mib, "repeats": args.repeats, "profile": args.profile}
+    cfg = {"state_mib": args.state_mib, "repeats": args.repeats, "profile": args.profile,
+           "phases": args.phases, "steps": args.steps, "profile_cpu": args.profile_cpu}
     started = time.perf_counter()
     walls: dict[str, float] = {}
     base = tempfile.mkdtemp(prefix="bench-", dir=args.dir)
@@ -67,6 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     report.print_table(rows, ratio_values, raw["memory"])
     for name, text in raw["profiles"].items():
         print(f"\n---- cProfile: {name} ----\n{text}")
+    doc = report.document(raw, cfg, walls, rows, ratio_values)
+    if "compare" in raw:
+        table, targets, info = compare_report.analyse(raw["compare"], cfg)
+        compare_report.print_compare(table, targets, info)
+        doc["compare"] = compare_report.document(raw["compare"], table, targets, info)
+        if doc["compare"]["profile_cpu"]:
+            print(f"\n---- CPU profile: one dist_ckpt async eager save, rank 0 ----\n"
+                  f"{format_profile(doc['compare']['profile_cpu'])}")
     with open(args.json, "w") as handle:
-        json.dump(report.document(raw, cfg, walls, rows, ratio_values), handle, indent=1, default=str)
+        json.dump(doc, handle, indent=1, default=str)
     print(f"\nwrote {args.json}")

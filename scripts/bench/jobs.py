@@ -63,10 +63,15 @@ def build_job_sized(state_mib: int, rank: int, world: int, size_world: int, kind
     return model, optimizer, TrainState(model, optimizer, sampler=sampler)
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               before_step: Callable[[], None] | None = None) -> None:
+    """Forward, backward, ``before_step()`` (what must finish before the parameters and the
+    optimizer state change), optimizer step."""
     width = model.width if hasattr(model, "width") else model.module.width
     x = torch.randn(2, int(width))  # type: ignore[arg-type]
     model(x).sum().backward()
+    if before_step is not None:
+        before_step()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -68,38 +68,46 @@ def save_rows(main: list[dict[str, Any]]) -> Rows:
 
 def timing_rows(main: list[dict[str, Any]], reshard: list[dict[str, Any]],
                 scale: dict[int, list[float]]) -> Rows:
-    """Every timed series (seconds), first saves split off, slowest rank per repetition."""
-    rows = save_rows(main)
-    rows["our restore(), 2 ranks"] = series(main, "restore", "restore")
-    rows["raw read of the generation files, 2 ranks"] = series(main, "restore", "read")
-    rows["our restore(), 3 ranks"] = slowest([r["restore"] for r in reshard])
-    rows["train step, no save in flight (rank 0)"] = series(main, "interference", "idle", rank=0)
-    rows["train step, async save in flight (rank 0)"] = series(main, "interference", "inflight", rank=0)
+    """Every timed series (seconds), first saves split off, slowest rank per repetition; only
+    those of the phases that ran."""
+    ran = set(main[0]) if main else set()
+    rows = save_rows(main) if "saves" in ran else {}
+    if "restore" in ran:
+        rows["our restore(), 2 ranks"] = series(main, "restore", "restore")
+        rows["raw read of the generation files, 2 ranks"] = series(main, "restore", "read")
+    if reshard:
+        rows["our restore(), 3 ranks"] = slowest([r["restore"] for r in reshard])
+    if "interference" in ran:
+        rows["train step, no save in flight (rank 0)"] = series(main, "interference", "idle", rank=0)
+        rows["train step, async save in flight (rank 0)"] = series(main, "interference", "inflight",
+                                                                   rank=0)
     for world_size, values in scale.items():
         rows[f"commit of {world_size} simulated reports"] = values
     return rows
 
 
 def ratios(rows: Rows, memory: Memory) -> dict[str, float]:
-    def q(numerator: str, denominator: str) -> float:
-        return median(rows[numerator]) / median(rows[denominator])
-
+    """Each target's value, for the targets whose series were measured (phases that ran)."""
     our_block, our_e2e = "our async save() blocking", "our async commit, save() -> wait() rank 0"
     restore2 = "our restore(), 2 ranks"
-    out = {
-        "stall (async block / sync block)": q(our_block, "our sync save() blocking"),
-        "staging efficiency (async block / copy)": q(our_block, "plain copy into preallocated buffers"),
+    quotients = {
+        "stall (async block / sync block)": (our_block, "our sync save() blocking"),
+        "staging efficiency (async block / copy)": (our_block, "plain copy into preallocated buffers"),
         "write efficiency (commit thrpt / raw write thrpt)":
-            q("raw write + fsync of the generation bytes", our_e2e),
-        "our async block / DCP async_save block": q(our_block, "DCP async_save blocking"),
-        "our end-to-end / DCP sync save": q(our_e2e, "DCP save (sync)"),
+            ("raw write + fsync of the generation bytes", our_e2e),
+        "our async block / DCP async_save block": (our_block, "DCP async_save blocking"),
+        "our end-to-end / DCP sync save": (our_e2e, "DCP save (sync)"),
         "restore efficiency (restore thrpt / raw read thrpt)":
-            q("raw read of the generation files, 2 ranks", restore2),
-        "reshard overhead (restore 3 ranks / 2 ranks)": q("our restore(), 3 ranks", restore2),
+            ("raw read of the generation files, 2 ranks", restore2),
+        "reshard overhead (restore 3 ranks / 2 ranks)": ("our restore(), 3 ranks", restore2),
         "interference (step in flight / idle step)":
-            q("train step, async save in flight (rank 0)", "train step, no save in flight (rank 0)"),
-        "commit of 4096 reports (s)": median(rows[f"commit of {SCALE_RANKS[-1]} simulated reports"]),
+            ("train step, async save in flight (rank 0)", "train step, no save in flight (rank 0)"),
     }
+    out = {name: median(rows[top]) / median(rows[bottom])
+           for name, (top, bottom) in quotients.items() if top in rows and bottom in rows}
+    largest = f"commit of {SCALE_RANKS[-1]} simulated reports"
+    if largest in rows:
+        out["commit of 4096 reports (s)"] = median(rows[largest])
     for slots, results in memory.items():
         out[f"peak RSS K={slots} / (baseline + {slots} x state)"] = max(
             r["peak"] / (r["baseline"] + slots * r["state_bytes"]) for r in results)
@@ -112,20 +120,24 @@ def passes(name: str, value: float) -> bool:
 
 
 def print_table(rows: Rows, ratio_values: dict[str, float], memory: Memory) -> None:
+    """The timing table, the memory table and the ratios, each where its phases ran."""
     mib = jobs.MiB
-    print(f"\n{'timing (s; slowest rank per repetition unless noted)':58s} {'median':>9s} {'min':>9s} "
-          f"{'max':>9s} {'n':>4s}")
+    if rows:
+        print(f"\n{'timing (s; slowest rank per repetition unless noted)':58s} {'median':>9s} "
+              f"{'min':>9s} {'max':>9s} {'n':>4s}")
     for name, values in rows.items():
         print(f"{name:58s} {median(values):9.4f} {min(values):9.4f} {max(values):9.4f} {len(values):4d}")
-    print(f"\n{'memory (MiB)':30s} {'rank':>4s} {'baseline':>9s} {'state':>8s} {'staging':>8s} "
-          f"{'expected':>9s} {'peak':>8s}")
+    if memory:
+        print(f"\n{'memory (MiB)':30s} {'rank':>4s} {'baseline':>9s} {'state':>8s} {'staging':>8s} "
+              f"{'expected':>9s} {'peak':>8s}")
     for slots, results in memory.items():
         for rank, r in enumerate(results):
             expected = r["baseline"] + slots * r["state_bytes"]
             print(f"{f'async, max_in_flight={slots}':30s} {rank:4d} {r['baseline'] / mib:9.0f} "
                   f"{r['state_bytes'] / mib:8.0f} {r['staging_peak'] / mib:8.0f} "
                   f"{expected / mib:9.0f} {r['peak'] / mib:8.0f}")
-    print(f"\n{'ratio':54s} {'value':>8s} {'target':>9s}  result")
+    if ratio_values:
+        print(f"\n{'ratio':54s} {'value':>8s} {'target':>9s}  result")
     for name, value in ratio_values.items():
         op, target = TARGETS[name]
         print(f"{name:54s} {value:8.3f} {op:>3s} {target:5.2f}  {'PASS' if passes(name, value) else 'MISS'}")

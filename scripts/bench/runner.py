@@ -1,5 +1,6 @@
 """What runs where: the main 2-rank run (saves, restore, interference in one job), the
-3-rank reshard run, the two memory runs (fresh processes each) and the commit scale here."""
+3-rank reshard run, the two memory runs (fresh processes each), the commit scale here, and the
+compare runs (2 ranks, then 3 for its reshard; fresh processes). ``cfg["phases"]`` selects."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .commit_scale import commit_scale
+from .compare import rank_compare, rank_compare_reshard
 from .context import Ctx
 from .interference import phase_interference
 from .memory import rank_memory
@@ -17,6 +19,8 @@ from .restore import phase_restore, rank_reshard
 from .saves import phase_saves
 
 RUN_TIMEOUT_S = 3600
+PHASES = ("saves", "restore", "interference", "memory", "commit_scale", "compare")
+MAIN_PHASES = ("saves", "restore", "interference")  # one 2-rank job; restore reads what saves left
 
 
 def rank_main(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[str, Any]:
@@ -31,11 +35,29 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[str
         return result
 
     out: dict[str, Any] = {"rank": rank, "state_bytes": ctx.state_bytes}
-    out["saves"] = phase("saves, raw write, DCP", lambda: phase_saves(ctx))
-    out["restore"] = phase("restore", lambda: phase_restore(ctx, os.path.join(base, "ours-sync")))
-    out["interference"] = phase("interference", lambda: phase_interference(ctx))
+    phases = cfg["phases"]
+    if "saves" in phases:
+        out["saves"] = phase("saves, raw write, DCP", lambda: phase_saves(ctx))
+    if "restore" in phases:
+        out["restore"] = phase("restore", lambda: phase_restore(ctx, os.path.join(base, "ours-sync")))
+    if "interference" in phases:
+        out["interference"] = phase("interference", lambda: phase_interference(ctx))
     out["walls"], out["profiles"] = walls, ctx.profiles
     return out
+
+
+def run_compare(cfg: dict[str, Any], base: str, timed_run: Callable[[str, Callable[[], Any]], Any]
+                ) -> dict[str, Any]:
+    """The compare phase: its 2-rank run, then the 3-rank restore of the generation it left."""
+    from dist_ckpt.testing import run_ranks
+
+    ranks = timed_run("compare run (2 ranks)",
+                      lambda: run_ranks(2, rank_compare, cfg, base, timeout_s=RUN_TIMEOUT_S))
+    root = ranks[0]["sync_root"]
+    reshard = timed_run("compare reshard run (3 ranks)", lambda: run_ranks(
+        3, rank_compare_reshard, cfg, root, timeout_s=RUN_TIMEOUT_S))
+    shutil.rmtree(os.path.dirname(root), ignore_errors=True)
+    return {"ranks": ranks, "reshard": reshard}
 
 
 def run_all(cfg: dict[str, Any], base: str, walls: dict[str, float]) -> dict[str, Any]:
@@ -49,14 +71,24 @@ def run_all(cfg: dict[str, Any], base: str, walls: dict[str, float]) -> dict[str
         print(f"[bench] {name}: {walls[name]:.1f} s", flush=True)
         return result
 
-    main = timed_run("main run (2 ranks)",
-                     lambda: run_ranks(2, rank_main, cfg, base, timeout_s=RUN_TIMEOUT_S))
-    reshard = timed_run("reshard run (3 ranks)", lambda: run_ranks(
-        3, rank_reshard, cfg, os.path.join(base, "ours-sync"), timeout_s=RUN_TIMEOUT_S))
+    phases = cfg["phases"]
+    out: dict[str, Any] = {"main": [], "reshard": [], "memory": {}, "scale": {}, "profiles": {}}
+    if any(p in phases for p in MAIN_PHASES):
+        out["main"] = timed_run("main run (2 ranks)",
+                                lambda: run_ranks(2, rank_main, cfg, base, timeout_s=RUN_TIMEOUT_S))
+        out["profiles"].update(out["main"][0]["profiles"])
+    if "restore" in phases:
+        out["reshard"] = timed_run("reshard run (3 ranks)", lambda: run_ranks(
+            3, rank_reshard, cfg, os.path.join(base, "ours-sync"), timeout_s=RUN_TIMEOUT_S))
+        out["profiles"].update(out["reshard"][0]["profiles"])
     shutil.rmtree(os.path.join(base, "ours-sync"), ignore_errors=True)
-    memory = {slots: timed_run(f"memory run K={slots} (2 ranks)", lambda s=slots: run_ranks(
-        2, rank_memory, cfg, base, s, timeout_s=RUN_TIMEOUT_S)) for slots in (1, 2)}
-    scale, scale_profiles = timed_run("commit scale (1 process)",
-                                      lambda: commit_scale(base, cfg["repeats"], cfg["profile"]))
-    profiles = {**main[0]["profiles"], **reshard[0]["profiles"], **scale_profiles}
-    return {"main": main, "reshard": reshard, "memory": memory, "scale": scale, "profiles": profiles}
+    if "memory" in phases:
+        out["memory"] = {slots: timed_run(f"memory run K={slots} (2 ranks)", lambda s=slots: run_ranks(
+            2, rank_memory, cfg, base, s, timeout_s=RUN_TIMEOUT_S)) for slots in (1, 2)}
+    if "commit_scale" in phases:
+        out["scale"], scale_profiles = timed_run(
+            "commit scale (1 process)", lambda: commit_scale(base, cfg["repeats"], cfg["profile"]))
+        out["profiles"].update(scale_profiles)
+    if "compare" in phases:
+        out["compare"] = run_compare(cfg, base, timed_run)
+    return out
