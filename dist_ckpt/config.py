@@ -120,6 +120,17 @@ class CheckpointConfig(BaseModel):
         default=None, ge=1,
         description="Retention of the mirror tier: keep the newest K generations there (plus `keep_every` "
                     "milestones and pins); the default `None` deletes nothing from the mirror.")
+    memory_tier: bool = Field(
+        default=False,
+        description="Commit every save to the memory tier first: each node's shared memory "
+                    "(`/dev/shm/dist_ckpt-<run id>/`, owned by `python -m launch`, whose run id it needs), "
+                    "so a restarted worker resumes without reading storage; `root` receives every "
+                    "`persist_every`-th generation (and the final one) in the background (README, "
+                    "\"Memory tier\"). Not combinable with `mirror` yet.")
+    persist_every: int = Field(
+        default=1, ge=1,
+        description="With `memory_tier`: persist every Nth committed in-memory generation to `root` "
+                    "(counted from the job's start; `finish()` always persists the final one).")
     check_free_space: bool = Field(
         default=True,
         description="Refuse a save (`InsufficientSpace`) when the filesystem written to lacks room for one "
@@ -228,6 +239,9 @@ class CheckpointConfig(BaseModel):
     def _check_retention(self) -> CheckpointConfig:
         if self.mirror is not None and (is_remote(self.root) or not is_remote(self.mirror)):
             raise ValueError("mirror needs a local root and an object-store URL (s3://...)")
+        if self.memory_tier and self.mirror is not None:
+            raise ValueError("memory_tier cannot be combined with mirror yet: the persistent "
+                             "tier behind memory is root")
         if self.async_save and self.keep_last is not None and self.keep_last < 2:
             raise ValueError(
                 "keep_last must be >= 2 with async_save: the newest generation may still be in flight"

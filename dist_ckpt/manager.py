@@ -35,6 +35,7 @@ from .format.manifest import MANIFEST_NAME, generation_name
 from .ops import retention
 from .ops.done import DoneRecord
 from .ops.finish import finish_run
+from .ops.flash import FlashTier
 from .ops.inventory import GenerationInfo, inspect_generation, inventory
 from .protocol.comm import Comm
 from .protocol.messages import PINS_KEY, SaveFacts, SpaceFacts
@@ -108,14 +109,18 @@ class CheckpointManager:
             scratch_root=config.cache_dir or os.path.join(
                 tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}"),
             upload_verification=config.upload_verification))
-        self.write_root = self.tier.local_root  # where this node's ranks write their files
+        # memory_tier: saves commit to this node's memory; self.tier (the root) is fed from it
+        self.flash = FlashTier(config, self.tier) if config.memory_tier else None
+        self.save_tier: CommitTier = self.flash.tier if self.flash is not None else self.tier
+        self.write_root = self.save_tier.local_root  # where this node's ranks write their files
         os.makedirs(self.write_root, exist_ok=True)
         if self.comm.distributed:
             self.comm.probe_shared_root(self.write_root)
-        self.tier.local_ranks = frozenset(self.comm.fs_group)
+        self.save_tier.local_ranks = frozenset(self.comm.fs_group)
         if self.comm.rank == self.comm.fs_leader:
             # no save of this job is in flight yet: leftovers are a crashed job's
-            self.tier.remove_leftover_attempts()
+            for tier in {id(t): t for t in (self.tier, self.save_tier)}.values():
+                tier.remove_leftover_attempts()
         self.comm.barrier()  # nobody writes before stale pending directories are gone
         self.backend = self.tier.store
         if self.comm.rank == 0:
@@ -139,6 +144,8 @@ class CheckpointManager:
                 prune_mirror=self._prune_mirror if config.mirror_keep_last else None)
             if self.comm.rank == 0 and config.keep_last:
                 self.uploader.on_settled = lambda: self._janitor.submit(self._prune_local)
+        if self.flash is not None:
+            self.uploader = self.flash.start_persisting(self.comm)
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
         self.plans = SavePlanCache(self.comm)
         self.stats = SaveStats()
@@ -302,7 +309,7 @@ class CheckpointManager:
         is_root = self.comm.rank == 0
         request = SaveRequest(
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
-            attempt=self.tier.begin(name, attempt_id), prepared=prepared,
+            attempt=self.save_tier.begin(name, attempt_id), prepared=prepared,
             signing_key=self.config.signing_key,
             digest_algorithm=self.config.digest_algorithm,
             rank_state=codec.dumps(state.rank_state()),
@@ -319,12 +326,14 @@ class CheckpointManager:
             if not finished.committed:
                 return
             if is_root:
-                events.log_commit(finished, self.config.root, asynchronous=self.config.async_save)
+                events.log_commit(finished, self.save_tier.url if self.flash else self.config.root,
+                                  asynchronous=self.config.async_save)
             if self.uploader is not None:
                 self.uploader.local_committed(name)
-            if is_root and self.uploader is not None and finished.manifest_raw is not None:
+            if is_root and self.uploader is not None and finished.manifest_raw is not None \
+                    and (self.flash is None or self.flash.persists(name)):
                 self.uploader.enqueue(name, finished.manifest_raw)
-            if self.comm.rank == self.comm.fs_leader and self.config.keep_last:
+            if self.comm.rank == self.comm.fs_leader and (self.config.keep_last or self.flash):
                 # off the commit path: wait() and the in-flight slot do not include deletions
                 self._janitor.submit(self._prune_local)
 
@@ -351,6 +360,9 @@ class CheckpointManager:
     def _prune_local(self) -> None:
         """Local retention; generations still waiting for the mirror are kept. Runs in the
         janitor thread: a failure (say, a corrupt pins.json) deletes nothing and is logged."""
+        if self.flash is not None:
+            self.flash.prune_memory()  # the root is pruned after each persistence
+            return
         if not self.config.keep_last:
             return
         try:
@@ -492,6 +504,8 @@ class CheckpointManager:
             return RestoreResult(next_update=self._rehearsal.next_update,
                                  generation=self._rehearsal.generation)
         result = resume(self, components, allow_contract_change, verify_digests)
+        if self.flash is not None:
+            self.flash.after_restore(self.comm, result)
         if self.schedule is not None and result.generation is not None:
             self.schedule.last_saved = result.next_update
         return result

@@ -25,7 +25,8 @@ def test_commit_and_restore_each_log_one_line(tmp_path, caplog: pytest.LogCaptur
     with CheckpointManager(CheckpointConfig(root=root), make_state()) as mgr:
         mgr.restore()
     restored = [r.getMessage() for r in caplog.records if "restored" in r.getMessage()]
-    assert restored == [f"[rank 0] restored gen-000000000002 (next_update 2) from {root}; 0 rejected"]
+    assert restored == [f"[rank 0] restored gen-000000000002 (next_update 2) from {root} (local tier); "
+                        "0 rejected"]
 
 
 def test_latest_pointing_at_a_missing_generation_is_reported(tmp_path, caplog) -> None:

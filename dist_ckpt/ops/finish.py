@@ -30,7 +30,9 @@ def finish_run(mgr: CheckpointManager, final_update: int, tokens_seen: int | Non
     mgr.wait()
     name = generation_name(final_update)
     committed = comm.broadcast(is_committed(mgr, name) if comm.rank == 0 else None)
-    if not committed:
+    if not committed and mgr.flash is not None:
+        _persist_final(mgr, name, final_update, tokens_seen)
+    elif not committed:
         mgr.save(final_update, tokens_seen=tokens_seen)
     mgr.wait()
     outcome: tuple[DoneRecord | None, str | None] = (None, None)
@@ -51,6 +53,23 @@ def finish_run(mgr: CheckpointManager, final_update: int, tokens_seen: int | Non
         raise CommitError(f"{DONE_NAME} for {name} not written", generation=name, failures=failures)
     runinfo.report(comm.rank, done=name)
     return record
+
+
+def _persist_final(mgr: CheckpointManager, name: str, final_update: int,
+                   tokens_seen: int | None) -> None:
+    """All ranks, memory tier: the final generation goes to the root whatever
+    ``persist_every`` says; when a restart finds it committed in memory already, rank 0
+    enqueues that copy instead of saving it again."""
+    comm = mgr.comm
+    assert mgr.flash is not None and mgr.uploader is not None
+    mgr.flash.force(name)
+    in_memory = comm.broadcast(mgr.flash.holds(name) if comm.rank == 0 else None)
+    if not in_memory:
+        mgr.save(final_update, tokens_seen=tokens_seen)
+        return
+    mgr.uploader.local_committed(name)  # every rank's replay waits for its own copy
+    if comm.rank == 0:
+        mgr.uploader.enqueue(name, mgr.flash.tier.store.read_bytes(f"{name}/{MANIFEST_NAME}"))
 
 
 def is_committed(mgr: CheckpointManager, name: str) -> bool:

@@ -50,6 +50,7 @@ class RestoreResult:
     contract_changes: dict[str, tuple] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     components: tuple[str, ...] = ()
+    tier: str | None = None  # the kind of tier it was loaded from ("memory", "local", ...)
 
     @property
     def fresh(self) -> bool:
@@ -72,7 +73,8 @@ def select_generation(comm: Comm, tiers: list[CommitTier], *, digests: bool = Tr
             if name not in listing or (name, tier.url) in skip:
                 continue
             verdict = validate_everywhere(comm, tier.store, name, digests=digests, key=key,
-                                          shards_on_load=shards_on_load)
+                                          shards_on_load=shards_on_load,
+                                          same_world=not tier.reshards)
             if isinstance(verdict, Problem):
                 verdict.tier = tier.url
                 rejected.append(verdict)
@@ -89,9 +91,12 @@ def _listing(backend: StoreReader) -> set[str]:
 
 
 def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests: bool,
-                         key: bytes | None, shards_on_load: bool = False) -> Manifest | Problem:
+                         key: bytes | None, shards_on_load: bool = False,
+                         same_world: bool = False) -> Manifest | Problem:
     """Rank 0 checks structure and sizes; the digest check is split across ranks (all of it,
-    or, with ``shards_on_load``, all but the DCP shards, which the load hashes)."""
+    or, with ``shards_on_load``, all but the DCP shards, which the load hashes). ``same_world``
+    (a tier that cannot reshard): a generation of another world size is rejected before any
+    digest is computed, with that reason."""
     if comm.rank == 0:
         try:
             checked = check_structure(backend, name, key=key)
@@ -104,6 +109,9 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
     if isinstance(shared, Problem):
         return shared
     manifest = Manifest.from_bytes(shared.encode(), generation=name)
+    if same_world and manifest.world_size != comm.world_size:  # the same verdict on every rank
+        return Problem(name, f"saved by {manifest.world_size} ranks, this job has "
+                             f"{comm.world_size}: that tier restores only the same world size")
     problem = None
     mine = [f.path for f in manifest.files][comm.rank :: comm.world_size]
     try:

@@ -45,7 +45,9 @@ if TYPE_CHECKING:
 
 def resume(mgr: CheckpointManager, components: Iterable[str] | None,
            allow_contract_change: bool | None, verify_digests: bool) -> RestoreResult:
-    tiers = [mgr.tier] + ([mgr.mirror_tier] if mgr.mirror_tier is not None else [])
+    # newest first across tiers; for one name, memory (no storage read) before the root
+    tiers = ([mgr.save_tier] if mgr.save_tier is not mgr.tier else []) + [mgr.tier] \
+        + ([mgr.mirror_tier] if mgr.mirror_tier is not None else [])
     # with digests on, the shards are hashed by the load itself: every byte is read once
     select = functools.partial(select_generation, mgr.comm, tiers, digests=verify_digests,
                                key=mgr.config.signing_key, shards_on_load=verify_digests)
@@ -80,9 +82,12 @@ def resume(mgr: CheckpointManager, components: Iterable[str] | None,
     else:
         result.rejected, result.warnings = rejected, notes + result.warnings
         resumed_from = name
+        result.tier = tier.kind
     if mgr.comm.rank == 0:
-        events.log_restore(result, tier.url if resumed_from is not None and tier is not None else None)
+        events.log_restore(result, f"{tier.url} ({tier.kind} tier)"
+                           if resumed_from is not None and tier is not None else None)
     runinfo.report(mgr.comm.rank, resumed_from=resumed_from, next_update=result.next_update,
+                   resumed_tier=result.tier,
                    rejected=[str(p) for p in rejected])
     return result
 

@@ -121,6 +121,9 @@ class CommitTier(Protocol):
     kind: str  # a word for people ("local", "object store"); never branched on
     leaves_debris: bool  # failed attempts leave bytes behind that only retention removes
     keeps_rejected: bool  # move_aside keeps rejected generations under ``rejected/``
+    # restore may load a generation of another world size from here (False: the memory tier,
+    # whose per-node copies only a job of the same shape finds again)
+    reshards: bool
 
     def begin(self, generation: str, attempt_id: str, *, source_dir: str | None = None) -> Attempt: ...
 

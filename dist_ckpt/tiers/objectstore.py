@@ -159,6 +159,7 @@ class ObjectStoreTier:
     kind = "object store"
     leaves_debris = True
     keeps_rejected = False
+    reshards = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  scratch_root: str | None = None, concurrency: int = 4,

@@ -15,7 +15,8 @@ import os
 import shutil
 
 from .. import faults, logs
-from ..errors import GenerationExists
+from ..digests import hasher
+from ..errors import GenerationExists, ValidationError
 from ..format.manifest import DCP_DIR, MANIFEST_NAME, STATE_DIR, Manifest, parse_generation
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, move_latest
@@ -33,6 +34,7 @@ from .base import (
 from .quarantine import move_aside
 
 log = logs.get(__name__)
+COPY_CHUNK = 8 << 20
 
 
 class RenameAttempt:
@@ -42,14 +44,20 @@ class RenameAttempt:
         self.generation = generation
         self.attempt_id = attempt_id
         self.data_dir = ""
+        self.source_dir = source_dir
         self.replay = source_dir is not None
         self.shared = tier.shared
-        self.local_dir = source_dir or os.path.join(tier.root, pending_dir_name(generation, attempt_id))
+        # a replay (the memory tier's persistence) copies into its own pending directory: the
+        # source generation stays where it is, committed
+        self.local_dir = os.path.join(tier.root, pending_dir_name(generation, attempt_id))
 
     def put_files(self, entries: list[dict]) -> None:
-        if self.replay:
-            raise NotImplementedError("a rename tier is not a replay target")
-        # written in place and fsynced by the writer: the rename publishes them
+        if not self.replay:
+            return  # written in place and fsynced by the writer: the rename publishes them
+        assert self.source_dir is not None
+        for entry in entries:
+            copy_verified(os.path.join(self.source_dir, entry["path"]),
+                          os.path.join(self.local_dir, entry["path"]), entry)
 
     def publish(self, manifest: Manifest, signing_key: bytes | None) -> bytes:
         raw = manifest.to_bytes()
@@ -91,8 +99,26 @@ class RenameAttempt:
             remove_own_files(self.local_dir, entries)
 
     def abandon(self) -> None:
-        if not self.replay:
-            shutil.rmtree(self.local_dir, ignore_errors=True)
+        shutil.rmtree(self.local_dir, ignore_errors=True)  # a replay's copy, never its source
+
+
+def copy_verified(source: str, target: str, entry: dict) -> None:
+    """Copy one file of a committed generation durably, hashing it on the way: bytes that no
+    longer match the manifest (a bit flipped in memory) never reach the target tier."""
+    algorithm = "blake3" if entry.get("blake3") else "sha256"
+    digest = hasher(algorithm)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    size = 0
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        while chunk := src.read(COPY_CHUNK):
+            digest.update(chunk)
+            dst.write(chunk)
+            size += len(chunk)
+        dst.flush()
+        os.fsync(dst.fileno())
+    if size != entry["size"] or digest.hexdigest() != entry[algorithm]:
+        raise ValidationError(f"{entry['path']}: the source no longer matches its manifest entry "
+                              f"({size} bytes, {algorithm} mismatch)", path=entry["path"])
 
 
 class RenameTier:
@@ -103,6 +129,7 @@ class RenameTier:
     kind = "local"
     leaves_debris = False
     keeps_rejected = True
+    reshards = True
 
     def __init__(self, root: str, local_ranks: frozenset[int] | None = None) -> None:
         self.store = LocalBackend(root)

@@ -155,6 +155,7 @@ class MemoryTier:
     kind = "memory (test)"
     leaves_debris = True
     keeps_rejected = False
+    reshards = True
 
     def __init__(self, url: str, scratch_root: str | None = None) -> None:
         self.store = MemoryStore(url)

@@ -1,0 +1,105 @@
+"""The memory tier in front of the persistent root (``CheckpointConfig(memory_tier=True)``).
+
+Saves commit to the memory tier (``tiers/memory.py``) with the usual protocol (agreement,
+write, every rank's report, rank 0's manifest-last commit under ``commit_timeout_s``; node
+copies by each filesystem leader). The persistent root is fed from memory by the mirror
+machinery (``save/mirror.py``: one replay thread per rank, every rank's report, rank 0's
+manifest-last publish under ``mirror_timeout_s``), for every ``persist_every``-th committed
+in-memory generation and for the final one of ``finish()``. Each replayed file is hashed as
+it is copied: bytes changed in memory never become a persistent generation.
+
+Call order:
+- ``persists(G)``: rank 0, once per committed in-memory generation (the save's ``on_done``);
+  True means "enqueue G for persistence";
+- ``force(G)``: rank 0, from ``finish()``: G is persisted whatever the count;
+- ``prune_memory``: each filesystem leader's janitor thread after each in-memory commit, and
+  rank 0's after each persistence settles: keep the newest committed in-memory generation,
+  plus those being persisted (the one being written is a pending directory, never pruned);
+- ``prune_root``: rank 0's replay thread after each completed persistence (``keep_last``);
+- ``after_restore``: every rank after ``restore()``; the filesystem leaders drop in-memory
+  generations newer than the one resumed from (rejected, or saved by another world size).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING
+
+from .. import logs, runinfo
+from ..config import CheckpointConfig
+from ..format.manifest import MANIFEST_NAME
+from ..protocol.comm import Comm
+from ..save.mirror import MirrorUploader
+from ..tiers.base import CommitTier
+from ..tiers.memory import MemoryTier, open_memory_tier
+from . import retention
+from .inventory import inspect_generation
+
+if TYPE_CHECKING:
+    from ..restore.loader import RestoreResult
+
+log = logs.get(__name__)
+MEMORY_KEEP = 1  # committed in-memory generations kept besides those still being persisted
+
+
+class FlashTier:
+    """One per rank. ``tier`` is the save target; ``root`` the persistent tier behind it."""
+
+    def __init__(self, config: CheckpointConfig, root: CommitTier) -> None:
+        self.config = config
+        self.root = root
+        self.tier: MemoryTier = open_memory_tier(config.root, os.environ.get(runinfo.RUN_ID_ENV))
+        self.uploader: MirrorUploader | None = None
+        self._committed = 0
+        self._forced: set[str] = set()
+        self._lock = threading.Lock()
+
+    def start_persisting(self, comm: Comm) -> MirrorUploader:
+        """Every rank, once the filesystem groups are known: the replay thread to the root."""
+        self.uploader = MirrorUploader(
+            comm, self.tier, self.root, queue_length=self.config.mirror_queue,
+            timeout_s=self.config.mirror_timeout_s, signing_key=self.config.signing_key,
+            prune_mirror=self.prune_root if self.config.keep_last else None)
+        if comm.rank == 0:
+            self.uploader.on_settled = self.prune_memory
+        return self.uploader
+
+    def persists(self, generation: str) -> bool:
+        with self._lock:
+            self._committed += 1
+            forced = generation in self._forced
+            self._forced.discard(generation)
+            return forced or self._committed % self.config.persist_every == 0
+
+    def force(self, generation: str) -> None:
+        with self._lock:
+            self._forced.add(generation)
+
+    def holds(self, generation: str) -> bool:
+        """Rank 0: this node's memory holds ``generation`` committed (finish after a restart)."""
+        if not self.tier.store.exists(f"{generation}/{MANIFEST_NAME}"):
+            return False
+        return inspect_generation(self.tier.store, generation, digests=False,
+                                  key=self.config.signing_key).state == "committed"
+
+    def prune_memory(self) -> None:
+        pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
+        try:
+            retention.prune(self.tier, keep_last=MEMORY_KEEP, pinned=pinned | self._forced,
+                            key=self.config.signing_key)
+        except Exception:  # noqa: BLE001 - retention must never break training
+            log.exception("memory tier retention pass failed")
+
+    def prune_root(self) -> None:
+        retention.prune(self.root, keep_last=self.config.keep_last,
+                        keep_every=self.config.keep_every, key=self.config.signing_key,
+                        pinned=frozenset(retention.read_pins(self.root.store)))
+
+    def after_restore(self, comm: Comm, result: RestoreResult) -> None:
+        if comm.rank != comm.fs_leader:
+            return
+        dropped = self.tier.drop_newer(result.generation)
+        if dropped:
+            log.warning("dropped in-memory generation(s) %s, newer than the resumed %s",
+                        ", ".join(sorted(dropped)), result.generation or "fresh start")

@@ -1,0 +1,71 @@
+"""The memory tier: generations in each node's shared memory (tmpfs), committed by rename.
+
+It is a rename tier (``tiers/rename.py``: same attempt, manifest-last and rename commit,
+node copies published by each filesystem group's leader) over
+``<shm base>/dist_ckpt-<run id>/<root digest>/`` (``dist_ckpt.shm``): the bytes live in RAM,
+outside the worker processes, so a restarted worker finds them; fsync there costs nearly
+nothing. The node's launcher owns the run directory and removes it (``launch/``).
+
+What differs from a disk root:
+
+- ``reshards`` is False: each node holds only its own ranks' files, so only a job of the same
+  world size can find its generation again; restore skips the tier otherwise (a rejection with
+  its reason) and uses the persistent root.
+- ``keeps_rejected`` is False: a rejected generation is deleted, not kept aside (RAM is not
+  the place for evidence; the persistent root keeps its own copy of what was persisted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+from .. import logs, shm
+from ..errors import ConfigError
+from ..format.manifest import parse_generation
+from ..format.validate import Problem
+from .rename import RenameTier
+
+log = logs.get(__name__)
+
+
+class MemoryTier(RenameTier):
+    kind = "memory"
+    keeps_rejected = False
+    reshards = False
+
+    def move_aside(self, problem: Problem) -> str | None:
+        if parse_generation(problem.generation) is None:
+            return None
+        path = os.path.join(self.root, problem.generation)
+        if os.path.isdir(path):
+            log.warning("dropping in-memory %s: %s", problem.generation, problem.reason)
+            shutil.rmtree(path, ignore_errors=True)
+        return None
+
+    def drop_newer(self, generation: str | None) -> list[str]:
+        """A filesystem leader after restore: delete in-memory generations newer than the one
+        the job resumed from (a rejected or other-world-size timeline the job will overwrite)."""
+        floor = -1 if generation is None else (parse_generation(generation) or -1)
+        dropped = []
+        for name in os.listdir(self.root):
+            number = parse_generation(name)
+            if number is not None and number > floor:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                dropped.append(name)
+        return dropped
+
+
+def memory_root(root: str, run_id: str | None) -> str:
+    """This node's in-memory directory for checkpoint root ``root`` of launcher run ``run_id``
+    (one run may checkpoint more than one root)."""
+    if not run_id or not shm.valid_run_id(run_id):
+        raise ConfigError("memory_tier needs the launcher's run id "
+                          f"(environment variable DIST_CKPT_RUN_ID, got {run_id!r}): the node's "
+                          "launcher owns and removes the shared memory (field memory_tier)")
+    return os.path.join(shm.run_dir(run_id), hashlib.sha256(root.encode()).hexdigest()[:12])
+
+
+def open_memory_tier(root: str, run_id: str | None) -> MemoryTier:
+    return MemoryTier(memory_root(root, run_id))

@@ -1,0 +1,39 @@
+"""Rank bodies for the memory-tier tests (run with ``dist_ckpt.testing.run_ranks``)."""
+
+from __future__ import annotations
+
+import os
+
+from dist_ckpt import runinfo, shm
+from tests.helpers.workers import build, full_state, manager, train_step
+
+
+def _env(shm_dir: str, run_id: str) -> None:
+    os.environ[shm.SHM_DIR_ENV] = shm_dir
+    os.environ[runinfo.RUN_ID_ENV] = run_id
+
+
+def train(rank: int, world: int, root: str, shm_dir: str, run_id: str, steps: int,
+          persist_every: int, finish: bool = False) -> dict:
+    """Save to memory after every update; optionally ``finish`` (DONE)."""
+    _env(shm_dir, run_id)
+    job = build("fsdp", rank, world)
+    with manager(job, root, memory_tier=True, persist_every=persist_every) as mgr:
+        start = mgr.restore().next_update
+        for update in range(start, steps):
+            train_step(job)
+            if update + 1 < steps or not finish:
+                mgr.save(update + 1)
+        if finish:
+            mgr.finish(steps)
+        memory_root = mgr.save_tier.local_root
+    return {"full": full_state(job), "memory_root": memory_root}
+
+
+def restore(rank: int, world: int, root: str, shm_dir: str, run_id: str) -> dict:
+    _env(shm_dir, run_id)
+    job = build("fsdp", rank, world, seed=99)
+    with manager(job, root, memory_tier=True) as mgr:
+        result = mgr.restore()
+    return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
+            "rejected": [str(p) for p in result.rejected]}

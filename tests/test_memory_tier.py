@@ -1,0 +1,97 @@
+"""The memory tier (``CheckpointConfig(memory_tier=True)``): saves commit to each node's shared
+memory, every Nth generation is persisted to the root, and restore prefers memory when it
+validates (2 gloo ranks; world-size change and corruption fall back to the root)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from dist_ckpt import CheckpointConfig, ConfigError, shm
+from dist_ckpt.format.manifest import MANIFEST_NAME
+from dist_ckpt.format.validate import list_generations
+from dist_ckpt.storage.local import LocalBackend
+from dist_ckpt.testing import run_ranks
+from tests.helpers import memory_jobs
+
+pytestmark = pytest.mark.timeout(300)
+RUN = "t0001"
+
+
+def generations(path: str) -> list[str]:
+    return sorted(list_generations(LocalBackend(path)))
+
+
+def committed(path: str) -> list[str]:
+    return [g for g in generations(path) if os.path.exists(os.path.join(path, g, MANIFEST_NAME))]
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """5 updates, a save to memory after each; every 2nd persisted to the root."""
+    root, shm_dir = str(tmp_path / "root"), str(tmp_path / "shm")
+    ranks = run_ranks(2, memory_jobs.train, root, shm_dir, RUN, 5, 2, timeout_s=180)
+    return root, shm_dir, ranks[0]
+
+
+def test_memory_holds_newest_root_every_nth_and_restore_uses_memory(saved) -> None:
+    root, shm_dir, trained = saved
+    memory = trained["memory_root"]
+    assert memory.startswith(os.path.join(shm_dir, f"{shm.PREFIX}{RUN}") + os.sep)
+    assert committed(memory) == ["gen-000000000005"], "memory keeps the newest only"
+    assert committed(root) == ["gen-000000000002", "gen-000000000004"]
+    # the root never held generation 5: loading it proves the load came from memory
+    ranks = run_ranks(2, memory_jobs.restore, root, shm_dir, RUN, timeout_s=180)
+    assert {(r["generation"], r["tier"]) for r in ranks} == {("gen-000000000005", "memory")}
+    assert equal(ranks[0]["full"], trained["full"])
+
+
+def test_bit_flip_in_memory_falls_back_to_root(saved) -> None:
+    root, shm_dir, trained = saved
+    memory = os.path.join(trained["memory_root"], "gen-000000000005")
+    manifest = json.load(open(os.path.join(memory, MANIFEST_NAME)))
+    shard = max((f for f in manifest["files"] if f["path"].endswith(".distcp")), key=lambda f: f["size"])
+    with open(os.path.join(memory, shard["path"]), "r+b") as handle:
+        handle.seek(shard["size"] // 2)
+        byte = handle.read(1)[0]
+        handle.seek(shard["size"] // 2)
+        handle.write(bytes([byte ^ 0x10]))
+    ranks = run_ranks(2, memory_jobs.restore, root, shm_dir, RUN, timeout_s=180)
+    assert {(r["generation"], r["tier"]) for r in ranks} == {("gen-000000000004", "local")}
+    assert any(p.startswith("gen-000000000005") and shm_dir in p for p in ranks[0]["rejected"]), \
+        ranks[0]["rejected"]
+    assert not os.path.exists(memory), "the damaged in-memory generation is dropped"
+
+
+def test_other_world_size_skips_memory_with_a_reason(saved) -> None:
+    root, shm_dir, _ = saved
+    ranks = run_ranks(1, memory_jobs.restore, root, shm_dir, RUN, timeout_s=180)
+    assert (ranks[0]["generation"], ranks[0]["tier"]) == ("gen-000000000004", "local")
+    assert any("saved by 2 ranks, this job has 1" in p for p in ranks[0]["rejected"]), ranks[0]["rejected"]
+
+
+def test_finish_persists_the_final_generation_then_done(tmp_path) -> None:
+    root, shm_dir = str(tmp_path / "root"), str(tmp_path / "shm")
+    run_ranks(2, memory_jobs.train, root, shm_dir, RUN, 3, 100, True, timeout_s=180)
+    assert committed(root) == ["gen-000000000003"]  # persist_every=100: only the final one
+    done = json.load(open(os.path.join(root, "DONE.json")))
+    assert done["generation"] == "gen-000000000003"
+
+
+def test_config_errors_name_the_field(monkeypatch, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="memory_tier"):
+        CheckpointConfig(root=str(tmp_path), memory_tier=True, mirror="s3://bucket/x")
+    with pytest.raises(ConfigError, match="persist_every"):
+        CheckpointConfig(root=str(tmp_path), memory_tier=True, persist_every=0)
+    from dist_ckpt.tiers.memory import memory_root
+    with pytest.raises(ConfigError, match="memory_tier"):
+        memory_root(str(tmp_path), None)
+    with pytest.raises(ConfigError, match="memory_tier"):
+        memory_root(str(tmp_path), "../escape")
