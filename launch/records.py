@@ -20,6 +20,7 @@ class StartRecord:
     world_size: int | None = None
     resumed_from: str | None = None  # generation name, "fresh", or None when nobody reported
     resumed_update: int | None = None
+    resumed_tier: str | None = None  # the kind of tier it was read from ("memory", "local", ...)
     final_update: int | None = None
     updates: int | None = None
     began_unix: float = 0.0
@@ -28,16 +29,20 @@ class StartRecord:
     classification: str = ""
     reason: str = ""
     exit_codes: dict[str, int | None] = field(default_factory=dict)
+    memory_bytes: int | None = None  # bytes under the run's shared-memory directory at the end
 
     def line(self) -> str:
         resumed = {None: "resume point unknown", "fresh": "fresh start"}.get(
             self.resumed_from, f"resumed from {self.resumed_from}")
+        if self.resumed_tier is not None and self.resumed_from not in (None, "fresh"):
+            resumed += f" ({self.resumed_tier} tier)"
         low, _, high = self.nodes.partition(":")
         world = f"{low if high in ('', low) else self.nodes} x {self.procs_per_node}"
         if self.world_size is not None:
             world += f" = {self.world_size} ranks"
+        memory = "" if self.memory_bytes is None else f" | memory {self.memory_bytes / (1 << 20):.1f} MiB"
         return (f"[launch] start {self.start}/{self.max_starts} | world {world} | {resumed} | "
-                f"{self.duration_s:.1f} s | {self.classification}: {self.reason}")
+                f"{self.duration_s:.1f} s{memory} | {self.classification}: {self.reason}")
 
 
 def emit(message: str) -> None:

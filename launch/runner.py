@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any
 
-from dist_ckpt import runinfo
+from dist_ckpt import runinfo, shm
 from dist_ckpt.errors import DistCkptError
 from dist_ckpt.format.manifest import (
     LATEST_NAME,
@@ -74,11 +74,30 @@ class Launcher:
         records.emit(f"[launch] run {self.run_id} ({'new' if self.created else 'continued'}) in "
                      f"{self.run_dir}; stop file {self.options.stop_file}")
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        memory = self._claim_memory()
         try:
             return self._loop()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if memory is not None and shm.remove_run(self.run_id):
+                records.emit(f"[launch] removed in-memory checkpoints {memory}")
+
+    def _claim_memory(self) -> str | None:
+        """The node's shared memory for the memory tier (dist_ckpt.shm): first remove what
+        dead launchers left (this run's own directory too: its launcher is gone, so are the
+        bytes' guarantees), then own this run's directory until the launcher stops."""
+        for stale in shm.remove_stale():
+            records.emit(f"[launch] removed stale in-memory checkpoints {stale}")
+        if not shm.valid_run_id(self.run_id):
+            records.emit(f"[launch] run id {self.run_id!r} cannot name a shared-memory directory: "
+                         "no memory tier for this run")
+            return None
+        try:
+            return shm.claim(self.run_id)
+        except OSError as exc:
+            records.emit(f"[launch] cannot create the in-memory checkpoint directory: {exc}")
+            return None
 
     def _loop(self) -> int:
         opts = self.options
@@ -128,6 +147,8 @@ class Launcher:
                                   agent_rc=agent_rc, stop_reason=stop, mirror=self.mirror)
         record.classification, record.reason = verdict.kind, verdict.reason
         self._describe(record, reports, result)
+        if shm.valid_run_id(self.run_id):
+            record.memory_bytes = shm.used_bytes(self.run_id)
         return record
 
     def _run_agent(self, start: int, start_dir: str, result_path: str) -> tuple[int | None, str | None]:
@@ -164,6 +185,7 @@ class Launcher:
         if resumed:
             record.resumed_from = resumed[0]["resumed_from"] or "fresh"
             record.resumed_update = resumed[0].get("next_update")
+            record.resumed_tier = resumed[0].get("resumed_tier")
         record.final_update = _latest_update(self.run_dir)
         if record.final_update is not None and record.resumed_update is not None:
             record.updates = max(0, record.final_update - record.resumed_update)

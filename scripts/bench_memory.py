@@ -1,0 +1,165 @@
+"""Memory tier vs disk only, on one job (2 gloo ranks, FSDP2, AdamW, async saves).
+
+    python scripts/bench_memory.py --mib 64 --steps 8
+
+Per configuration (a save after every update): the blocking time of ``save()`` against a copy
+of the same bytes into preallocated memory (issue 14's target: at most 1.5x), and the training
+time lost per checkpoint (steps with a save each minus steps without, per step). Then the
+time to resume the final generation (``restore()``, then the first update) from the memory
+tier against the disk root (it is in both when ``--steps`` is a multiple of
+``--persist-every``; the disk root's files are dropped from the page cache first with
+POSIX_FADV_DONTNEED, as on a cold node). ``--mib`` is the state per rank (parameters + two Adam
+moments). Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, runinfo, shm  # noqa: E402
+from dist_ckpt.testing import run_ranks  # noqa: E402
+
+WIDTH = 1024
+
+
+def build(mib: int) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    # parameters + two moments = 3 x the rank's half of the parameters
+    layers = max(1, round(mib * (1 << 20) * 2 / 3 / 4 / (WIDTH * WIDTH)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return TrainState(model, optimizer, contract={"bench": "memory"}), model, optimizer
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, WIDTH)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def copy_baseline(state: TrainState, repeats: int = 3) -> float:
+    """A copy of the rank's tensors into preallocated memory (best of ``repeats``)."""
+    live = [t.to_local() if hasattr(t, "to_local") else t for t in _tensors(state.tensor_state())]
+    targets = [torch.empty_like(t) for t in live]
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for target, source in zip(targets, live, strict=True):
+            target.copy_(source)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in _tensors(value)]
+    if isinstance(tree, list | tuple):
+        return [t for value in tree for t in _tensors(value)]
+    return []
+
+
+def job(rank: int, world: int, root: str, shm_dir: str, memory: bool, mib: int, steps: int,
+        persist_every: int) -> dict:
+    os.environ[shm.SHM_DIR_ENV] = shm_dir
+    os.environ[runinfo.RUN_ID_ENV] = "bench"
+    state, model, optimizer = build(mib)
+    config = CheckpointConfig(root=root, async_save=True, memory_tier=memory,
+                              persist_every=persist_every, keep_last=2, check_free_space=False)
+    for _ in range(2):  # warm-up: allocator, first-touch of the optimizer state
+        step(model, optimizer)
+    began = time.perf_counter()
+    for _ in range(steps):
+        step(model, optimizer)
+    plain_s = (time.perf_counter() - began) / steps
+    blocking = []
+    with CheckpointManager(config, state) as mgr:
+        began = time.perf_counter()
+        for update in range(1, steps + 1):
+            step(model, optimizer)
+            started = time.perf_counter()
+            mgr.save(update)
+            blocking.append(time.perf_counter() - started)
+        saving_s = (time.perf_counter() - began) / steps
+        mgr.wait()
+    return {"blocking_s": statistics.median(blocking[1:]), "lost_s": saving_s - plain_s,
+            "copy_s": copy_baseline(state), "step_s": plain_s}
+
+
+def resume(rank: int, world: int, root: str, shm_dir: str, memory: bool, mib: int) -> dict:
+    os.environ[shm.SHM_DIR_ENV] = shm_dir
+    os.environ[runinfo.RUN_ID_ENV] = "bench"
+    state, model, optimizer = build(mib)
+    config = CheckpointConfig(root=root, memory_tier=memory, check_free_space=False)
+    with CheckpointManager(config, state) as mgr:
+        began = time.perf_counter()
+        result = mgr.restore()
+        step(model, optimizer)
+        return {"resume_s": time.perf_counter() - began, "tier": result.tier,
+                "generation": result.generation}
+
+
+def evict(root: str) -> None:
+    """Drop the disk root's files from the page cache (they are fsynced, so clean): the disk
+    resume then reads the disk, as after a reboot or on a cold node."""
+    for parent, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64, help="state per rank in MiB")
+    parser.add_argument("--steps", type=int, default=8, help="updates (one save each) per run")
+    parser.add_argument("--persist-every", type=int, default=4)
+    parser.add_argument("--disk-dir", default=os.getcwd(), help="where the disk roots go")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.disk_dir) as disk, \
+            tempfile.TemporaryDirectory(prefix="bench-shm-", dir=shm.DEFAULT_BASE) as shm_dir:
+        rows = {}
+        for name, memory in (("disk only", False), ("memory tier", True)):
+            root = os.path.join(disk, name.replace(" ", "-"))
+            ranks = run_ranks(2, job, root, shm_dir, memory, args.mib, args.steps,
+                              args.persist_every, timeout_s=600)
+            rows[name] = {k: max(r[k] for r in ranks) for k in ranks[0]}
+        print(f"state per rank {args.mib} MiB, {args.steps} updates, a save after each (2 gloo ranks)")
+        print("| configuration | save() blocking | copy into preallocated | ratio | step | "
+              "lost per checkpoint |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for name, row in rows.items():
+            print(f"| {name} | {row['blocking_s'] * 1e3:.1f} ms | {row['copy_s'] * 1e3:.1f} ms | "
+                  f"{row['blocking_s'] / row['copy_s']:.2f}x | {row['step_s'] * 1e3:.1f} ms | "
+                  f"{row['lost_s'] * 1e3:.1f} ms |")
+        # the final generation of the memory-tier run: persisted when steps % persist_every == 0
+        root = os.path.join(disk, "memory-tier")
+        times = {}
+        for name, memory in (("disk", False), ("memory", True)):
+            evict(root)
+            ranks = run_ranks(2, resume, root, shm_dir, memory, args.mib, timeout_s=600)
+            times[name] = max(r["resume_s"] for r in ranks)
+            print(f"resume from {ranks[0]['tier']} tier ({ranks[0]['generation']}): "
+                  f"{times[name]:.3f} s (restore + first update)")
+        print(f"memory / disk resume time: {times['memory'] / times['disk']:.2f}x (goal < 0.5x)")
+
+
+if __name__ == "__main__":
+    main()
