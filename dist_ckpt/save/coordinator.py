@@ -109,7 +109,9 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
             raise SaveAbandoned("the commit deadline passed while writing: not finished")
     except Exception as exc:
         # files this rank began are in no report: nobody else knows to remove them
-        remove_own_files(local_dir, [{"path": os.path.relpath(p, local_dir)} for p in filesystem.created])
+        # peers may still be writing into the same directories: only this rank's files go
+        remove_own_files(local_dir, [{"path": os.path.relpath(p, local_dir)} for p in filesystem.created],
+                         remove_dirs=False)
         if filesystem.errors:
             raise filesystem.errors[0] from exc
         raise

@@ -190,13 +190,18 @@ class _VerifiedMetadataReader(FileSystemReader):
         return self._owner.read_metadata()
 
 
-def remove_own_files(local_dir: str, entries: list[dict]) -> None:
-    """Remove this rank's files below ``local_dir`` and the directories left empty."""
+def remove_own_files(local_dir: str, entries: list[dict], *, remove_dirs: bool = True) -> None:
+    """Remove this rank's files below ``local_dir`` and (``remove_dirs``) the directories left
+    empty. A rank that fails while its peers may still be writing keeps the directories: an
+    empty ``dcp/`` is a peer's next destination, and the failed attempt's directory goes with
+    ``abandon`` (rank 0) or the next start's stale-attempt sweep."""
     for entry in entries:
         try:
             os.unlink(os.path.join(local_dir, entry["path"]))
         except FileNotFoundError:
             pass
+    if not remove_dirs:
+        return
     for directory in (DCP_DIR, STATE_DIR, ""):
         try:
             os.rmdir(os.path.join(local_dir, directory))
