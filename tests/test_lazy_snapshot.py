@@ -20,14 +20,8 @@ from dist_ckpt.format.manifest import DCP_DIR, generation_name
 from dist_ckpt.testing import run_ranks
 from tests.helpers import workers
 
+pytestmark = pytest.mark.usefixtures("no_faults")
 HELD_S = 0.5  # how long a held thread must stay held: a bound on the check, not an ordering
-
-
-@pytest.fixture(autouse=True)
-def _no_faults():
-    faults.configure(None)
-    yield
-    faults.configure(None)
 
 
 def _job(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

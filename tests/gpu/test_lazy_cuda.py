@@ -17,14 +17,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, faults
 from dist_ckpt.format.manifest import DCP_DIR, generation_name
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def _no_faults():
-    faults.configure(None)
-    yield
-    faults.configure(None)
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("no_faults")]
 
 
 def _job(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
