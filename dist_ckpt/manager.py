@@ -130,22 +130,7 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - a corrupt pins.json stops pruning, not training
                 log.exception("cannot read the pins under %s", config.root)
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-prune")
-        self.mirror_tier: CommitTier | None = None
-        self.mirror = None
-        self.uploader: MirrorUploader | None = None
-        if config.mirror is not None:
-            self.mirror_tier = open_tier(config.mirror, TierOptions(
-                storage_options=dict(config.storage_options or {}),
-                concurrency=config.mirror_concurrency, upload_verification=config.upload_verification))
-            self.mirror = self.mirror_tier.store
-            self.uploader = MirrorUploader(
-                self.comm, self.tier, self.mirror_tier, queue_length=config.mirror_queue,
-                timeout_s=config.mirror_timeout_s, signing_key=config.signing_key,
-                prune_mirror=self._prune_mirror if config.mirror_keep_last else None)
-            if self.comm.rank == 0 and config.keep_last:
-                self.uploader.on_settled = lambda: self._janitor.submit(self._prune_local)
-        if self.flash is not None:
-            self.uploader = self.flash.start_persisting(self.comm)
+        self._open_replication()
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
         self.plans = SavePlanCache(self.comm)
         self.stats = SaveStats()
@@ -162,6 +147,27 @@ class CheckpointManager:
         runinfo.report(self.comm.rank, root=config.root, mirror=config.mirror,
                        world_size=self.comm.world_size, pid=os.getpid(),
                        contract_digest=contract_mod.digest(state.contract))
+
+    def _open_replication(self) -> None:
+        """The mirror tier and its uploader, or (``memory_tier``) the replay thread that
+        persists in-memory generations to the root; none of them without either."""
+        config = self.config
+        self.mirror_tier: CommitTier | None = None
+        self.mirror = None
+        self.uploader: MirrorUploader | None = None
+        if config.mirror is not None:
+            self.mirror_tier = open_tier(config.mirror, TierOptions(
+                storage_options=dict(config.storage_options or {}),
+                concurrency=config.mirror_concurrency, upload_verification=config.upload_verification))
+            self.mirror = self.mirror_tier.store
+            self.uploader = MirrorUploader(
+                self.comm, self.tier, self.mirror_tier, queue_length=config.mirror_queue,
+                timeout_s=config.mirror_timeout_s, signing_key=config.signing_key,
+                prune_mirror=self._prune_mirror if config.mirror_keep_last else None)
+            if self.comm.rank == 0 and config.keep_last:
+                self.uploader.on_settled = lambda: self._janitor.submit(self._prune_local)
+        if self.flash is not None:
+            self.uploader = self.flash.start_persisting(self.comm)
 
     def _check_run_id(self) -> None:
         # launchers of different nodes that disagree on the run would mix two runs' shards
