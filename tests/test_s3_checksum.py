@@ -114,10 +114,12 @@ def test_store_reporting_no_checksum_falls_back_to_read_back(root: str, proxy: P
     restored(root, saved, GEN1)
 
 
+@pytest.mark.parametrize("digest_algorithm", ["blake3", "sha256"])
 @pytest.mark.parametrize("mode", ["checksum", "readback"])
 def test_mirror_uploads_use_the_configured_verification(root: str, proxy: ProxyState, tmp_path,
-                                                        mode: str) -> None:
-    saved = save(str(tmp_path / "local"), (1,), mirror=root, upload_verification=mode)
+                                                        mode: str, digest_algorithm: str) -> None:
+    saved = save(str(tmp_path / "local"), (1,), mirror=root, upload_verification=mode,
+                 digest_algorithm=digest_algorithm)
     assert remote_states(root) == {GEN1: "committed"}
     assert uploads(proxy)
     assert (proxy.object_gets("/attempt-") == []) == (mode == "checksum")

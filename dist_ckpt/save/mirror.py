@@ -187,7 +187,9 @@ class MirrorUploader:
             if not self._wait_local(generation):
                 raise DistCkptError(f"{generation} never completed locally on this rank")
             faults.hit("mirror.upload", self.comm.rank)
-            attempt.put_files([f.model_dump() for f in manifest.files if f.rank == self.comm.rank])
+            # the writer's form: an entry carries only its own algorithm's digest
+            attempt.put_files([f.model_dump(exclude_none=True) for f in manifest.files
+                               if f.rank == self.comm.rank])
             report = MirrorReport(True)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the upload
             report = MirrorReport(False, f"{type(exc).__name__}: {exc}")

@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import faults, logs
 from ..errors import GenerationExists, StorageError
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, check_structure, move_latest
 from ..storage import checksum
@@ -97,9 +97,9 @@ def verify_upload(store: ObjectStoreBackend, rel: str, entry: dict, sent: str | 
         _READ_BACK_ROOTS.add(store.root)
         log.warning("%s reports no %s checksum of uploaded objects (%s): verifying them by reading "
                     "them back", store.root, store.checksum_algorithm, rel)
-    algorithm = "blake3" if "blake3" in entry else "sha256"
-    if store.digest(rel, algorithm) != entry[algorithm]:
-        raise StorageError(f"uploaded {rel} does not match its {algorithm}")
+    listed = FileEntry(**entry)
+    if store.digest(rel, listed.algorithm) != listed.digest:
+        raise StorageError(f"uploaded {rel} does not match its {listed.algorithm}")
 
 
 class ObjectStoreAttempt:

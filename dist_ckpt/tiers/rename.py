@@ -16,10 +16,10 @@ import shutil
 
 from .. import faults, logs
 from ..digests import hasher
-from ..errors import GenerationExists, ValidationError
-from ..format.manifest import DCP_DIR, MANIFEST_NAME, STATE_DIR, Manifest, parse_generation
+from ..errors import GenerationExists
+from ..format.manifest import DCP_DIR, MANIFEST_NAME, STATE_DIR, FileEntry, Manifest, parse_generation
 from ..format.signing import SIGNATURE_NAME, sign
-from ..format.validate import Problem, check_sizes, move_latest
+from ..format.validate import Problem, check_entry, check_sizes, move_latest
 from ..storage.base import is_remote
 from ..storage.local import LocalBackend, fsync_dir, write_durable
 from .base import (
@@ -55,9 +55,9 @@ class RenameAttempt:
         if not self.replay:
             return  # written in place and fsynced by the writer: the rename publishes them
         assert self.source_dir is not None
-        for entry in entries:
-            copy_verified(os.path.join(self.source_dir, entry["path"]),
-                          os.path.join(self.local_dir, entry["path"]), entry)
+        for entry in (FileEntry(**fields) for fields in entries):
+            copy_verified(os.path.join(self.source_dir, entry.path),
+                          os.path.join(self.local_dir, entry.path), entry, self.generation)
 
     def publish(self, manifest: Manifest, signing_key: bytes | None) -> bytes:
         raw = manifest.to_bytes()
@@ -102,11 +102,10 @@ class RenameAttempt:
         shutil.rmtree(self.local_dir, ignore_errors=True)  # a replay's copy, never its source
 
 
-def copy_verified(source: str, target: str, entry: dict) -> None:
+def copy_verified(source: str, target: str, entry: FileEntry, generation: str) -> None:
     """Copy one file of a committed generation durably, hashing it on the way: bytes that no
     longer match the manifest (a bit flipped in memory) never reach the target tier."""
-    algorithm = "blake3" if entry.get("blake3") else "sha256"
-    digest = hasher(algorithm)
+    digest = hasher(entry.algorithm)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     size = 0
     with open(source, "rb") as src, open(target, "wb") as dst:
@@ -116,9 +115,7 @@ def copy_verified(source: str, target: str, entry: dict) -> None:
             size += len(chunk)
         dst.flush()
         os.fsync(dst.fileno())
-    if size != entry["size"] or digest.hexdigest() != entry[algorithm]:
-        raise ValidationError(f"{entry['path']}: the source no longer matches its manifest entry "
-                              f"({size} bytes, {algorithm} mismatch)", path=entry["path"])
+    check_entry(generation, entry.path, entry, size, digest.hexdigest())
 
 
 class RenameTier:
