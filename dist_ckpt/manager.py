@@ -37,7 +37,7 @@ from .ops.done import DoneRecord
 from .ops.finish import finish_run
 from .ops.flash import FlashTier
 from .ops.inventory import GenerationInfo, inspect_generation, inventory
-from .protocol.comm import Comm
+from .protocol.comm import Comm, PendingGather
 from .protocol.messages import PINS_KEY, SaveFacts, SpaceFacts
 from .restart import codec
 from .restart import contract as contract_mod
@@ -54,7 +54,7 @@ from .save.request import ManifestInfo
 from .save.schedule import SaveSchedule
 from .save.snapshot import PendingCopy, lazy_snapshots, run_after_copy
 from .save.space import check_space, free_bytes
-from .save.staging import StagingPool
+from .save.staging import Staged, StagingPool
 from .tiers import CommitTier, TierOptions, open_tier
 from .version import __version__
 
@@ -194,28 +194,37 @@ class CheckpointManager:
         live = self.state.tensor_state()
         fingerprint = layout_fingerprint(live)
         name = generation_name(next_update)
-        while True:
-            agreed = self._agree(name, fingerprint)
-            self._raise_agreed_errors(sorted({g for f in agreed for g in f.errors}))
-            if not all(f.boundary for f in agreed):
-                self.state.check_boundary()
-                raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
-            agreement.check_extras(agreed)
-            if agreed[0].exists is not None:
-                raise GenerationExists(f"{name} {agreed[0].exists} under {self.config.root}")
-            if not any(f.busy for f in agreed):
-                break
-            if self.config.in_flight_policy == "skip":
-                self.stats.skipped += 1
-                log.warning("skipped save of %s: %d save(s) in flight", name, len(self._jobs))
-                return None
-            # block: wait for the oldest save, then agree again (its failure raises here)
-            if self._jobs:
-                self._jobs[0].done.wait()
-        # once the in-flight bound allows the save: waiting or skipping comes first
-        check_space(agreed, self.config.space_headroom_bytes, self.write_root)
-        job = self._start(name, next_update, tokens_seen, live, fingerprint,
-                          all(f.cached for f in agreed), agreed[0].attempt_id, started)
+        ahead: Staged | None = None
+        try:
+            while True:
+                pending = self._agree_start(name, fingerprint)
+                if ahead is None:  # the copy runs while the peers' facts arrive
+                    ahead = self._stage_ahead(live, pending)
+                agreed = pending.wait()
+                self._raise_agreed_errors(sorted({g for f in agreed for g in f.errors}))
+                if not all(f.boundary for f in agreed):
+                    self.state.check_boundary()
+                    raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
+                agreement.check_extras(agreed)
+                if agreed[0].exists is not None:
+                    raise GenerationExists(f"{name} {agreed[0].exists} under {self.config.root}")
+                if not any(f.busy for f in agreed):
+                    break
+                if self.config.in_flight_policy == "skip":
+                    self.stats.skipped += 1
+                    log.warning("skipped save of %s: %d save(s) in flight", name, len(self._jobs))
+                    return None
+                # block: wait for the oldest save, then agree again (its failure raises here)
+                if self._jobs:
+                    self._jobs[0].done.wait()
+            # once the in-flight bound allows the save: waiting or skipping comes first
+            check_space(agreed, self.config.space_headroom_bytes, self.write_root)
+            job = self._start(name, next_update, tokens_seen, live, fingerprint,
+                              all(f.cached for f in agreed), agreed[0].attempt_id, started, ahead)
+            ahead = None  # the job owns the slot now
+        finally:
+            if ahead is not None:  # the save did not start: the copy is dropped
+                self.staging.release(ahead.slot)  # type: ignore[union-attr]
         self.stats.last_blocking_s = job.blocking_s
         return job
 
@@ -246,8 +255,9 @@ class CheckpointManager:
             rehearsal.end_script_rehearsal(self, self._rehearsal, final_update)
         return finish_run(self, final_update, tokens_seen)
 
-    def _agree(self, name: str, fingerprint: str) -> list[SaveFacts]:
-        """One all-gather (all ranks): what each rank knows before a save may start."""
+    def _agree_start(self, name: str, fingerprint: str) -> PendingGather:
+        """Start the all-gather (all ranks) of what each rank knows before a save may start;
+        ``wait()`` on the result gives every rank's ``SaveFacts``."""
         self._reap()
         is_root = self.comm.rank == 0
         facts = SaveFacts(
@@ -260,7 +270,28 @@ class CheckpointManager:
             exists=self._existing(name) if is_root else None,
             attempt_id=uuid.uuid4().hex[:8] if is_root else None,
         )
-        return self.comm.all_gather(facts)
+        return self.comm.all_gather_start(facts)
+
+    def _stage_ahead(self, live: dict, pending: PendingGather) -> Staged | None:
+        """The eager copy into a free staging slot while the agreement is in flight (the
+        wait for the slowest peer overlaps it). Dropped if the save does not start; the
+        state cannot change meanwhile (the caller is inside ``save()``). None when there is
+        no free slot yet or the snapshot is lazy (copied later) or there is no staging."""
+        if self.staging is None or self.snapshots is not None \
+                or len(self._jobs) >= self.config.max_in_flight:
+            return None
+        try:
+            faults.hit("stage.before", self.comm.rank)
+            slot = self.staging.acquire()
+        except BaseException:
+            pending.wait()  # the peers are in this collective: end it before raising
+            raise
+        try:
+            return Staged(slot, slot.stage(live))
+        except BaseException:
+            self.staging.release(slot)
+            pending.wait()
+            raise
 
     def _existing(self, name: str) -> str | None:
         """Rank 0: None when ``name`` can be saved, else why not (committed, or present but
@@ -291,16 +322,21 @@ class CheckpointManager:
         return SpaceFacts(leader=self.comm.fs_leader, bytes=per_save * (1 + unwritten), free=free)
 
     def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
-               fingerprint: str, all_cached: bool, attempt_id: str, started: float) -> SaveJob:
+               fingerprint: str, all_cached: bool, attempt_id: str, started: float,
+               ahead: Staged | None = None) -> SaveJob:
         state = self.state
         state.next_update = next_update
         if tokens_seen is not None:
             state.tokens_seen = tokens_seen
-        faults.hit("stage.before", self.comm.rank)
-        slot = self.staging.acquire() if self.staging is not None else None
+        if ahead is None:
+            faults.hit("stage.before", self.comm.rank)
+        slot = ahead.slot if ahead is not None else \
+            self.staging.acquire() if self.staging is not None else None
         pending: PendingCopy | None = None
         try:
-            if slot is None:
+            if ahead is not None:
+                staged = ahead.staged
+            elif slot is None:
                 staged = live
             elif self.snapshots is not None:
                 staged, pending = self.snapshots.begin(slot, live, generation=name, rank=self.comm.rank,

@@ -77,3 +77,20 @@ def test_close_after_the_default_group_was_destroyed(tmp_path) -> None:
     assert result["raised"] is None and result["group_released"]
     assert result["gloo"][0] == result["gloo"][1]  # the checkpoint group's workers joined
     assert result["committed"] == ["gen-000000000001"]
+
+
+def test_the_staging_copy_runs_while_the_agreement_waits_for_peers(tmp_path) -> None:
+    ranks = run_ranks(2, async_workers.copy_before_peers_agree, str(tmp_path), timeout_s=180)
+    # rank 1 entered saves 1 and 2 only after rank 0 had copied: no deadlock, both committed
+    assert ranks[0]["committed"] == ["gen-000000000001", "gen-000000000002", "gen-000000000003"]
+    # save 4 was skipped on both ranks (rank 1 busy); rank 0 had copied and dropped the copy
+    assert ranks[0]["skipped"] and ranks[1]["skipped"]
+    assert ranks[0]["copied"] == 4 and ranks[1]["copied"] == 3
+    assert ranks[0]["in_use_after_skip"] == 1  # only save 3's slot
+
+
+def test_gather_frames_fall_back_when_an_object_does_not_fit() -> None:
+    ranks = run_ranks(2, async_workers.gather_frames, timeout_s=60)
+    for result in ranks:
+        assert result["small"] == [{"rank": 0}, {"rank": 1}]
+        assert result["mixed"] == [(0, 0), (1, 2 * 16384)]

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import struct
 import time
 import uuid
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .. import logs
@@ -83,6 +86,12 @@ class Comm:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def all_gather_start(self, obj: Any) -> PendingGather:
+        """Start an all-gather of a small object and return at once (all ranks, main thread,
+        in the same order as the other collectives); ``PendingGather.wait`` ends it. The
+        caller may work while peers arrive: ``save()`` copies into staging meanwhile."""
+        return PendingGather(self, obj)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
@@ -157,3 +166,47 @@ class Comm:
         if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
             dist.destroy_process_group(group)
         del group  # the last reference: the C++ group is destroyed now
+
+
+class PendingGather:
+    """An all-gather in flight: one collective of fixed-size byte frames.
+
+    Every rank's object is pickled into a frame of ``FRAME_BYTES``; a rank whose object does
+    not fit marks its frame, and once the frames are in every rank sees the mark and all
+    of them repeat the gather with ``all_gather_object`` (the same decision everywhere).
+    """
+
+    FRAME_BYTES = 16384
+    _HEADER = struct.Struct("<q")  # payload length, or -1: did not fit
+
+    def __init__(self, comm: Comm, obj: Any) -> None:
+        self.comm = comm
+        self.obj = obj
+        self._frames: list[torch.Tensor] = []
+        self._work: Any = None
+        if not comm.distributed:
+            return
+        payload = pickle.dumps(obj)
+        fits = len(payload) <= self.FRAME_BYTES - self._HEADER.size
+        frame = torch.zeros(self.FRAME_BYTES, dtype=torch.uint8)
+        header = self._HEADER.pack(len(payload) if fits else -1)
+        frame[:self._HEADER.size] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        if fits and payload:
+            frame[self._HEADER.size:self._HEADER.size + len(payload)] = torch.frombuffer(
+                bytearray(payload), dtype=torch.uint8)
+        self._frames = [torch.empty_like(frame) for _ in range(comm.world_size)]
+        self._work = dist.all_gather(self._frames, frame, group=comm.group, async_op=True)
+
+    def wait(self) -> list[Any]:
+        """Every rank's object, by rank (all ranks)."""
+        if self._work is None:
+            return [self.obj]
+        self._work.wait()
+        out: list[Any] = []
+        for frame in self._frames:
+            raw = frame.numpy().tobytes()
+            (length,) = self._HEADER.unpack_from(raw)
+            if length < 0:  # some rank's object was too large: everyone gathers again
+                return self.comm.all_gather(self.obj)
+            out.append(pickle.loads(raw[self._HEADER.size:self._HEADER.size + length]))
+        return out

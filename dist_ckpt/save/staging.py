@@ -33,6 +33,11 @@ class Mirror(NamedTuple):
     queued: set[torch.device]  # CUDA devices whose current stream has copies into it queued
 
 
+class Staged(NamedTuple):
+    slot: StagingSlot
+    staged: Any  # the slot's copy of the state, as ``StagingSlot.stage`` returned it
+
+
 def local_tensors(state: Any) -> list[torch.Tensor]:
     """Every tensor of a (nested) state, DTensors as their local shards: what staging copies."""
     return [value.to_local() if isinstance(value, DTensor) else value

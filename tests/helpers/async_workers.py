@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+from datetime import timedelta
 
 from dist_ckpt import CommitError, faults
 from dist_ckpt.save.staging import local_tensors
@@ -278,3 +279,66 @@ def close_after_default_group_destroyed(rank: int, world: int, root: str) -> dic
     # a default group again for the harness (world size 1: an in-process store suffices)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return out
+
+
+def copy_before_peers_agree(rank: int, world: int, root: str) -> dict:
+    """Rank 1 enters each save() only once rank 0's staging copy for it is done (a store key
+    rank 0 sets from inside the copy): rank 0 can only get there if its copy runs while the
+    save's agreement waits for rank 1. Then a save skipped at a busy peer drops its copy (rank
+    0 has a second slot, so it copies although its previous save still waits for rank 1)."""
+    from dist_ckpt.save import staging
+
+    job = workers.build("fsdp", rank, world)
+    mgr = workers.manager(job, root, async_save=True, max_in_flight=2 if rank == 0 else 1,
+                          in_flight_policy="skip")
+    store = mgr.comm.store
+    stage = staging.StagingSlot.stage
+    copied: list[int] = []
+
+    def stage_and_signal(slot, state):
+        staged = stage(slot, state)
+        copied.append(len(copied) + 1)
+        if rank == 0:
+            store.set(f"copied-{len(copied)}", b"1")
+        return staged
+
+    staging.StagingSlot.stage = stage_and_signal
+    try:
+        for update in (1, 2):
+            workers.train_step(job)
+            if rank == 1:
+                store.wait([f"copied-{update}"], timedelta(seconds=60))
+            mgr.save(update)
+            mgr.wait()
+        # rank 1 holds its writer: its next save is in flight, so rank 0's is skipped
+        faults.configure({"write.before": {"block": "held", "rank": 1}})
+        workers.train_step(job)
+        mgr.save(3)
+        if rank == 1:
+            faults.wait_reached("held")
+        mgr.comm.barrier()
+        workers.train_step(job)
+        skipped = mgr.save(4) is None
+        in_use_after_skip = sum(slot.in_use for slot in mgr.staging._slots)
+        if rank == 1:
+            faults.release("held")
+        mgr.wait()
+    finally:
+        staging.StagingSlot.stage = stage
+        faults.configure(None)
+    committed = sorted(g.name for g in mgr.generations() if g.state == "committed")
+    mgr.close()
+    return {"copied": len(copied), "skipped": skipped, "in_use_after_skip": in_use_after_skip,
+            "committed": committed}
+
+
+def gather_frames(rank: int, world: int) -> dict:
+    """Small objects travel in one frame; one rank's oversized object sends every rank
+    through the object all-gather, and every rank gets every object."""
+    from dist_ckpt.protocol.comm import Comm, PendingGather
+
+    comm = Comm(timeout_s=60)
+    small = comm.all_gather_start({"rank": rank}).wait()
+    big_payload = b"x" * (2 * PendingGather.FRAME_BYTES) if rank == 1 else b""
+    mixed = comm.all_gather_start((rank, big_payload)).wait()
+    return {"small": small, "mixed": [(r, len(p)) for r, p in mixed]}
