@@ -74,8 +74,9 @@ class CheckpointConfig(BaseModel):
                     "either kind verify whatever this is set to.")
     background_nice: int = Field(
         default=10, ge=0, le=19,
-        description="CPU priority drop (added nice value, 0 to 19) of the background save threads of "
-                    "`async_save`, so they yield the CPU to training; 0 keeps the training priority.")
+        description="CPU priority drop (added nice value, 0 to 19) of the background threads "
+                    "(asynchronous saves, mirror uploads, memory-tier persistence), so they yield the "
+                    "CPU to training; 0 keeps the training priority.")
     keep_last: int | None = Field(
         default=None, ge=1,
         description="Retention: keep the newest K committed generations under the root (at least 2 with "

@@ -163,7 +163,8 @@ class CheckpointManager:
             self.uploader = MirrorUploader(
                 self.comm, self.tier, self.mirror_tier, queue_length=config.mirror_queue,
                 timeout_s=config.mirror_timeout_s, signing_key=config.signing_key,
-                prune_mirror=self._prune_mirror if config.mirror_keep_last else None)
+                prune_mirror=self._prune_mirror if config.mirror_keep_last else None,
+                nice=config.background_nice)
             if self.comm.rank == 0 and config.keep_last:
                 self.uploader.on_settled = lambda: self._janitor.submit(self._prune_local)
         if self.flash is not None:

@@ -60,7 +60,8 @@ class FlashTier:
         self.uploader = MirrorUploader(
             comm, self.tier, self.root, queue_length=self.config.mirror_queue,
             timeout_s=self.config.mirror_timeout_s, signing_key=self.config.signing_key,
-            prune_mirror=self.prune_root if self.config.keep_last else None)
+            prune_mirror=self.prune_root if self.config.keep_last else None,
+            nice=self.config.background_nice)
         if comm.rank == 0:
             self.uploader.on_settled = self.prune_memory
         return self.uploader

@@ -69,7 +69,8 @@ class MirrorUploader:
 
     def __init__(self, comm: Comm, local: CommitTier, mirror: CommitTier, *, queue_length: int,
                  timeout_s: float, signing_key: bytes | None = None,
-                 prune_mirror: Callable[[], object] | None = None) -> None:
+                 prune_mirror: Callable[[], object] | None = None, nice: int = 10) -> None:
+        self.nice = nice  # the replay thread's priority drop (config background_nice)
         self.prune_mirror = prune_mirror  # rank 0, after each completed upload
         self.signing_key = signing_key
         self.on_settled: Callable[[], None] | None = None  # rank 0: after each upload settles
@@ -150,7 +151,7 @@ class MirrorUploader:
 
     # ---- all ranks ---------------------------------------------------------------------
     def _run(self) -> None:
-        lower_thread_priority(10)
+        lower_thread_priority(self.nice)
         while True:
             self._seq += 1
             seq_key = messages.mirror_seq_key(self._seq)
