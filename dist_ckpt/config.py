@@ -132,6 +132,11 @@ class CheckpointConfig(BaseModel):
         default=1, ge=1,
         description="With `memory_tier`: persist every Nth committed in-memory generation to `root` "
                     "(counted from the job's start; `finish()` always persists the final one).")
+    persist_interval_s: float | None = Field(
+        default=None, gt=0,
+        description="With `memory_tier`: also persist a committed in-memory generation once this many "
+                    "seconds have passed since the last one chosen for persistence (or since the job's "
+                    "start). Given without `persist_every`, persistence follows the interval alone.")
     check_free_space: bool = Field(
         default=True,
         description="Refuse a save (`InsufficientSpace`) when the filesystem written to lacks room for one "
@@ -243,6 +248,8 @@ class CheckpointConfig(BaseModel):
         if self.memory_tier and self.mirror is not None:
             raise ValueError("memory_tier cannot be combined with mirror yet: the persistent "
                              "tier behind memory is root")
+        if self.persist_interval_s is not None and not self.memory_tier:
+            raise ValueError("persist_interval_s needs memory_tier=True")
         if self.async_save and self.keep_last is not None and self.keep_last < 2:
             raise ValueError(
                 "keep_last must be >= 2 with async_save: the newest generation may still be in flight"

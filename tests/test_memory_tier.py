@@ -90,8 +90,37 @@ def test_config_errors_name_the_field(monkeypatch, tmp_path) -> None:
         CheckpointConfig(root=str(tmp_path), memory_tier=True, mirror="s3://bucket/x")
     with pytest.raises(ConfigError, match="persist_every"):
         CheckpointConfig(root=str(tmp_path), memory_tier=True, persist_every=0)
+    with pytest.raises(ConfigError, match="persist_interval_s"):
+        CheckpointConfig(root=str(tmp_path), persist_interval_s=60)
+    with pytest.raises(ConfigError, match="persist_interval_s"):
+        CheckpointConfig(root=str(tmp_path), memory_tier=True, persist_interval_s=0)
     from dist_ckpt.tiers.memory import memory_root
     with pytest.raises(ConfigError, match="memory_tier"):
         memory_root(str(tmp_path), None)
     with pytest.raises(ConfigError, match="memory_tier"):
         memory_root(str(tmp_path), "../escape")
+
+
+def _persisted(config: CheckpointConfig, times: list[float]) -> list[int]:
+    """Which of the generations committed at ``times`` (seconds after the start) persist."""
+    from dist_ckpt.ops.flash import PersistPolicy
+
+    now = [0.0]
+    policy = PersistPolicy(config, clock=lambda: now[0])
+    chosen = []
+    for index, at in enumerate(times, start=1):
+        now[0] = at
+        if policy.due():
+            chosen.append(index)
+    return chosen
+
+
+def test_persistence_follows_the_count_the_interval_or_both(tmp_path) -> None:
+    times = [1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 25.0]
+    base = {"root": str(tmp_path), "memory_tier": True}
+    assert _persisted(CheckpointConfig(**base), times) == [1, 2, 3, 4, 5, 6, 7]
+    assert _persisted(CheckpointConfig(**base, persist_every=3), times) == [3, 6]
+    # the interval alone: a generation once 5 s passed since the last one chosen
+    assert _persisted(CheckpointConfig(**base, persist_interval_s=5), times) == [4, 7]
+    # both: whichever comes first, the interval counted from the last one chosen
+    assert _persisted(CheckpointConfig(**base, persist_every=3, persist_interval_s=8), times) == [3, 5, 6, 7]

@@ -10,7 +10,8 @@ it is copied: bytes changed in memory never become a persistent generation.
 
 Call order:
 - ``persists(G)``: rank 0, once per committed in-memory generation (the save's ``on_done``);
-  True means "enqueue G for persistence";
+  True means "enqueue G for persistence" (``PersistPolicy``: every ``persist_every``-th,
+  and/or once ``persist_interval_s`` passed since the last one chosen);
 - ``force(G)``: rank 0, from ``finish()``: G is persisted whatever the count;
 - ``prune_memory``: each filesystem leader's janitor thread after each in-memory commit, and
   rank 0's after each persistence settles: keep the newest committed in-memory generation,
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import logs, runinfo
@@ -43,6 +46,30 @@ log = logs.get(__name__)
 MEMORY_KEEP = 1  # committed in-memory generations kept besides those still being persisted
 
 
+class PersistPolicy:
+    """Which committed in-memory generations go to the root (rank 0 decides; the mirror
+    announcement tells the other ranks). Counting applies unless only an interval was set."""
+
+    def __init__(self, config: CheckpointConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        interval_only = config.persist_interval_s is not None \
+            and "persist_every" not in config.model_fields_set
+        self.every = None if interval_only else config.persist_every
+        self.interval_s = config.persist_interval_s
+        self.clock = clock
+        self.committed = 0
+        self.last_chosen = clock()  # the job's start
+
+    def due(self) -> bool:
+        """One more generation committed in memory: persist it?"""
+        self.committed += 1
+        now = self.clock()
+        by_count = self.every is not None and self.committed % self.every == 0
+        by_time = self.interval_s is not None and now - self.last_chosen >= self.interval_s
+        if by_count or by_time:
+            self.last_chosen = now
+        return by_count or by_time
+
+
 class FlashTier:
     """One per rank. ``tier`` is the save target; ``root`` the persistent tier behind it."""
 
@@ -51,7 +78,7 @@ class FlashTier:
         self.root = root
         self.tier: MemoryTier = open_memory_tier(config.root, os.environ.get(runinfo.RUN_ID_ENV))
         self.uploader: MirrorUploader | None = None
-        self._committed = 0
+        self.policy = PersistPolicy(config)
         self._forced: set[str] = set()
         self._lock = threading.Lock()
 
@@ -68,10 +95,9 @@ class FlashTier:
 
     def persists(self, generation: str) -> bool:
         with self._lock:
-            self._committed += 1
             forced = generation in self._forced
             self._forced.discard(generation)
-            return forced or self._committed % self.config.persist_every == 0
+            return self.policy.due() or forced
 
     def force(self, generation: str) -> None:
         with self._lock:
