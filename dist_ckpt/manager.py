@@ -32,7 +32,7 @@ from .errors import (
     ValidationError,
 )
 from .format.manifest import MANIFEST_NAME, generation_name
-from .ops import retention
+from .ops import janitor, retention
 from .ops.done import DoneRecord
 from .ops.finish import finish_run
 from .ops.flash import FlashTier
@@ -163,10 +163,11 @@ class CheckpointManager:
             self.uploader = MirrorUploader(
                 self.comm, self.tier, self.mirror_tier, queue_length=config.mirror_queue,
                 timeout_s=config.mirror_timeout_s, signing_key=config.signing_key,
-                prune_mirror=self._prune_mirror if config.mirror_keep_last else None,
+                prune_mirror=functools.partial(janitor.prune_mirror, self)
+                if config.mirror_keep_last else None,
                 nice=config.background_nice)
             if self.comm.rank == 0 and config.keep_last:
-                self.uploader.on_settled = lambda: self._janitor.submit(self._prune_local)
+                self.uploader.on_settled = lambda: self._janitor.submit(janitor.prune_local, self)
         if self.flash is not None:
             self.uploader = self.flash.start_persisting(self.comm)
 
@@ -378,7 +379,7 @@ class CheckpointManager:
                 self.uploader.enqueue(name, finished.manifest_raw)
             if self.comm.rank == self.comm.fs_leader and (self.config.keep_last or self.flash):
                 # off the commit path: wait() and the in-flight slot do not include deletions
-                self._janitor.submit(self._prune_local)
+                self._janitor.submit(janitor.prune_local, self)
 
         job = SaveJob(request, on_done=on_done)
         job.blocking_s = time.perf_counter() - started  # set before the background thread starts
@@ -399,40 +400,6 @@ class CheckpointManager:
             self._reap()
             self._raise_unraised()
         return job
-
-    def _prune_local(self) -> None:
-        """Local retention; generations still waiting for the mirror are kept. Runs in the
-        janitor thread: a failure (say, a corrupt pins.json) deletes nothing and is logged."""
-        if self.flash is not None:
-            self.flash.prune_memory()  # the root is pruned after each persistence
-            return
-        if not self.config.keep_last:
-            return
-        try:
-            self._prune_local_now()
-        except Exception:  # noqa: BLE001 - retention must never break training
-            log.exception("local retention pass failed")
-
-    def _prune_local_now(self) -> None:
-        committed = self._committed_names()
-        if self.config.require_rehearsal and committed and not rehearsal.passed(self.backend, committed[0]):
-            log.info("retention waits: %s has not passed a rehearsal (require_rehearsal)", committed[0])
-            return
-        pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
-        pinned |= self.comm.read_names(PINS_KEY)
-        retention.prune(self.tier, keep_last=self.config.keep_last,
-                        keep_every=self.config.keep_every, pinned=pinned,
-                        key=self.config.signing_key, committed=committed)
-
-    def _prune_mirror(self) -> None:
-        """Rank 0's uploader, after each completed upload; pins live in the local root."""
-        assert self.mirror_tier is not None
-        retention.prune(self.mirror_tier, keep_last=self.config.mirror_keep_last,
-                        keep_every=self.config.keep_every, key=self.config.signing_key,
-                        pinned=frozenset(retention.read_pins(self.backend)))
-
-    def _committed_names(self) -> list[str]:
-        return [g.name for g in self.generations() if g.state == "committed"]
 
     # ---- errors and draining ---------------------------------------------------------
     def _reap(self) -> None:
