@@ -202,7 +202,7 @@ class CheckpointManager:
                 pending = self._agree_start(name, fingerprint)
                 if ahead is None:  # the copy runs while the peers' facts arrive
                     ahead = self._stage_ahead(live, pending)
-                agreed = pending.wait()
+                agreed = self._agreed(name, pending)
                 self._raise_agreed_errors(sorted({g for f in agreed for g in f.errors}))
                 if not all(f.boundary for f in agreed):
                     self.state.check_boundary()
@@ -273,6 +273,15 @@ class CheckpointManager:
             attempt_id=uuid.uuid4().hex[:8] if is_root else None,
         )
         return self.comm.all_gather_start(facts)
+
+    def _agreed(self, name: str, pending: PendingGather) -> list[SaveFacts]:
+        try:
+            return pending.wait()
+        except RuntimeError as exc:  # gloo: a peer died or broke off during the agreement
+            peers = {rank: "did not complete the save agreement (this or another peer failed)"
+                     for rank in range(self.comm.world_size) if rank != self.comm.rank}
+            raise CommitError(f"{name} was not saved: the save agreement failed ({exc})",
+                              generation=name, failures=peers) from exc
 
     def _stage_ahead(self, live: dict, pending: PendingGather) -> Staged | None:
         """The eager copy into a free staging slot while the agreement is in flight (the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
@@ -94,3 +95,28 @@ def test_gather_frames_fall_back_when_an_object_does_not_fit() -> None:
     for result in ranks:
         assert result["small"] == [{"rank": 0}, {"rank": 1}]
         assert result["mixed"] == [(0, 0), (1, 2 * 16384)]
+
+
+def test_a_broken_agreement_fails_the_save_with_a_commit_error(tmp_path, monkeypatch) -> None:
+    """A peer dying during the agreement's all-gather surfaces as gloo's RuntimeError on the
+    survivors: save() raises CommitError instead, and drops the copy it staged meanwhile."""
+    from dist_ckpt import CommitError
+    from dist_ckpt.protocol.comm import Comm
+
+    class Broken:
+        def wait(self) -> list:
+            raise RuntimeError("Connection reset by peer")
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = CheckpointConfig(root=str(tmp_path), async_save=True)
+    with CheckpointManager(config, TrainState(model, optimizer)) as mgr:
+        start = Comm.all_gather_start
+        monkeypatch.setattr(Comm, "all_gather_start", lambda self, obj: Broken())
+        with pytest.raises(CommitError, match="the save agreement failed"):
+            mgr.save(1)
+        assert not any(slot.in_use for slot in mgr.staging._slots)
+        monkeypatch.setattr(Comm, "all_gather_start", start)
+        mgr.save(2)
+        mgr.wait()
+        assert [g.name for g in mgr.generations() if g.state == "committed"] == ["gen-000000000002"]
