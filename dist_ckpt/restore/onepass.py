@@ -10,24 +10,28 @@ Call order (all ranks, inside ``dcp.load``, which calls ``read_data`` on every r
    releases the GIL and uses the rank's spare cores);
 3. one all-gather of the verdicts (every rank reaches it, whatever failed), so that either
    every rank loads or none does: no tensor is written from a file that failed anywhere;
-4. DCP reads the items from the same mappings: the bytes it deserialises are the bytes that
-   were hashed, and the disk is read once.
+4. the items are read from the same mappings: the bytes deserialised are the bytes that were
+   hashed, and the disk is read once. A plain tensor item is copied once, straight from the
+   mapping into the tensor it loads into (``records``: its layout is read from the item's
+   zip and pickle without deserialising the storage); anything else (BYTE_IO, transformed or
+   unrecognised items) goes through torch's ``FileSystemReader.read_data``.
 
 A file no rank's plan touches is not read (its size was checked at selection).
 """
 
 from __future__ import annotations
 
-import io
+import dataclasses
 import mmap
 import os
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ..digests import hasher
 from ..errors import ValidationError
@@ -35,6 +39,7 @@ from ..format.manifest import DCP_DIR, Manifest
 from ..format.validate import check_entry
 from ..protocol.comm import Comm
 from ..storage.local import open_regular
+from .records import MappedStream, copy_pair, narrowed, parse_tensor_record
 
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -49,36 +54,6 @@ class LocalCopies(Protocol):
     def local_copy(self, rel: str) -> tuple[str, bool]:
         """A local path holding ``dcp/<rel>``, and whether its bytes were already checked
         against the manifest on the way (a verified download)."""
-
-
-class MappedStream(io.RawIOBase):
-    """A read-only, seekable stream over a memory mapping (no copy until read)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        target = memoryview(buffer).cast("B")
-        chunk = self._view[self._pos:self._pos + len(target)]
-        target[:len(chunk)] = chunk
-        self._pos += len(chunk)
-        return len(chunk)
 
 
 class _MappedFileSystem(FileSystem):
@@ -115,6 +90,8 @@ class OnePassReader(FileSystemReader):
         self._maps: list[mmap.mmap] = []
         self.errors = source.errors
         self.hashed_bytes = 0
+        self.fast_items = 0  # tensor items copied straight from the mapping
+        self.fallback_items = 0  # items left to torch's read_data
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.source.read_metadata()
@@ -138,7 +115,43 @@ class OnePassReader(FileSystemReader):
                                     generation=self.generation, path=path)
             self.errors.append(error)
             raise error
-        return super().read_data(plan, planner)
+        return self._load_items(plan, planner)
+
+    def _load_items(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Every rank's files verified: each plain tensor item is copied once, from its
+        mapping into its target; torch's ``read_data`` loads the rest (same mappings)."""
+        fallback: list[ReadItem] = []
+        with warnings.catch_warnings():
+            # frombuffer warns that a read-only mapping is not writable: it is only read
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for req in plan.items:
+                if not self._copy_item(req, planner):
+                    fallback.append(req)
+        self.fallback_items += len(fallback)
+        return super().read_data(dataclasses.replace(plan, items=fallback), planner)
+
+    def _copy_item(self, req: ReadItem, planner: LoadPlanner) -> bool:
+        """Load one tensor item from its mapping; False (nothing resolved, nothing written)
+        when the item is not one the fast path handles."""
+        info = self.storage_data[req.storage_index]
+        if req.type != LoadItemType.TENSOR or info.transform_descriptors:
+            return False
+        mapping = self.mapped[info.relative_path]  # verified by every rank (read_data)
+        if info.offset < 0 or info.offset + info.length > len(mapping):
+            return False
+        record = parse_tensor_record(mapping[info.offset:info.offset + info.length])
+        part = None if record is None else narrowed(record, req.storage_offsets, req.lengths)
+        if record is None or part is None:
+            return False
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != part.size():  # what torch's read_data asserts too
+            raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {part.size()}")
+        destination, source = copy_pair(mapping, info.offset + record.data_offset, record, part, target)
+        destination.copy_(source)
+        del destination, source  # the source pins the mapping: close() unmaps it
+        planner.commit_tensor(req, target)
+        self.fast_items += 1
+        return True
 
     def _map_and_verify(self, needed: list[str]) -> None:
         # the next file is fetched (downloaded or paged in) while this one is hashed
@@ -177,7 +190,10 @@ class OnePassReader(FileSystemReader):
 
     def close(self) -> None:
         for view in self.mapped.values():
-            view.release()
+            try:
+                view.release()
+            except BufferError:  # a tensor over it still alive (an error's traceback)
+                pass
         self.mapped.clear()
         for mapping in self._maps:
             try:
