@@ -35,7 +35,7 @@ from ..restart.state import TrainState
 from ..storage.base import StoreReader
 from ..tiers.base import CommitTier
 from .layout import check_layout
-from .onepass import OnePassReader
+from .onepass import OnePassReader, own_shards
 
 
 @dataclass
@@ -191,6 +191,8 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest, templ
     verifying = OnePassReader(reader, comm, name, manifest) if one_pass else None
     storage_reader = verifying if verifying is not None else reader.storage_reader
     try:
+        if verifying is not None:  # hashed while DCP plans: the rank's own shards
+            verifying.prefetch(own_shards(manifest, comm.rank))
         check_layout(name, reader.read_metadata(), template)  # before anything is written into
         if comm.distributed:
             dcp.load(template, storage_reader=storage_reader, process_group=comm.group)

@@ -1,0 +1,271 @@
+"""Where a tensor lies inside one DCP item, read from the bytes alone (no deserialisation).
+
+DCP writes every tensor item as one ``torch.save`` zip archive inside a shard file. The
+archive stores the storage bytes uncompressed (record ``<archive>/data/<key>``) and describes
+the tensor in a small pickle (``<archive>/data.pkl``): dtype, size, stride, storage offset.
+:func:`parse_tensor_record` finds both without copying the storage, so the one-pass reader
+can copy the bytes straight from the verified mapping into the live tensor (one copy, where
+``torch.load`` + ``copy_`` makes two and page-faults a fresh buffer in between).
+
+The parse is deliberately narrow: anything it does not recognise (another pickle shape, a
+compressed or out-of-bounds record, a foreign byte order, tensor metadata, a subclass) makes
+it return ``None``, and the caller hands that item to torch's own ``torch.load`` path. The
+unpickler resolves a short allow-list of names only, so a verified item is never executed.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import sys
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
+_LOCAL_MAGIC = b"PK\x03\x04"
+_STORED = 0  # zip compression method "stored"; torch.save never compresses
+
+
+class MappedStream(io.RawIOBase):
+    """A read-only, seekable stream over a memory mapping (no copy until read)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        chunk = self._view[self._pos:self._pos + len(target)]
+        target[:len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One saved tensor: its layout over its storage, and where the storage bytes lie
+    (``data_offset`` from the start of the item, ``nbytes`` long)."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    data_offset: int
+    nbytes: int
+
+
+class Unusual(Exception):
+    """An item the fast path does not handle; torch's path loads it instead."""
+
+
+@dataclass(frozen=True)
+class _Storage:
+    dtype: torch.dtype
+    key: str
+    numel: int  # elements of ``dtype`` (bytes for an untyped storage)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    storage: _Storage
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+# the legacy typed-storage class names torch.save writes for the dtypes that have one (the
+# others, float8 and the wider unsigned types, are saved untyped with an explicit dtype)
+_STORAGE_TYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexDoubleStorage": torch.complex128,
+    "ComplexFloatStorage": torch.complex64,
+}
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _layout(storage: Any, storage_offset: Any, size: Any, stride: Any, hooks: Any,
+            dtype: torch.dtype, metadata: Any) -> _Layout:
+    if not isinstance(storage, _Storage) or metadata or hooks:
+        raise Unusual("tensor metadata or hooks")  # e.g. a conjugate bit: torch sets it
+    if not all(isinstance(v, int) for v in (storage_offset, *size, *stride)) or len(size) != len(stride):
+        raise Unusual("layout")
+    return _Layout(storage, dtype, storage_offset, tuple(size), tuple(stride))
+
+
+def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                hooks: Any, metadata: Any = None) -> _Layout:
+    if not isinstance(storage, _Storage):
+        raise Unusual("storage")
+    return _layout(storage, storage_offset, size, stride, hooks, storage.dtype, metadata)
+
+
+def _rebuild_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                hooks: Any, dtype: Any, metadata: Any = None) -> _Layout:
+    if not isinstance(dtype, torch.dtype):
+        raise Unusual("dtype")
+    return _layout(storage, storage_offset, size, stride, hooks, dtype, metadata)
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+}
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Resolves only the names a plain dense tensor's ``torch.save`` pickle uses; storages
+    become descriptions (nothing is read or allocated)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[module, name]
+        if module == "torch" and name in _STORAGE_TYPES:
+            return _StorageType(_STORAGE_TYPES[name])
+        if (module, name) in {("torch", "UntypedStorage"), ("torch.storage", "UntypedStorage")}:
+            return _StorageType(torch.uint8)  # counted in bytes; the dtype is an argument
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise Unusual(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise Unusual("persistent id")
+        _, kind, key, _location, numel = pid  # the location does not matter: bytes are bytes
+        if not isinstance(kind, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
+            raise Unusual("storage id")
+        return _Storage(kind.dtype, key, numel)
+
+
+def _record(item: memoryview, info: zipfile.ZipInfo) -> tuple[int, int]:
+    """(offset, length) of a stored record's bytes within ``item``, from its local header
+    (its extra field, torch's alignment padding, may differ from the central directory's).
+    The zip CRC is not checked: dist_ckpt writes none, the file digest covers the bytes."""
+    start = info.header_offset
+    if info.compress_type != _STORED or info.compress_size != info.file_size:
+        raise Unusual("compressed record")
+    if start < 0 or start + _LOCAL_HEADER.size > len(item):
+        raise Unusual("record header out of bounds")
+    fields = _LOCAL_HEADER.unpack_from(item, start)
+    if fields[0] != _LOCAL_MAGIC:
+        raise Unusual("bad local header")
+    offset = start + _LOCAL_HEADER.size + fields[9] + fields[10]
+    if offset + info.file_size > len(item):
+        raise Unusual("record out of bounds")
+    return offset, info.file_size
+
+
+def _parse(item: memoryview) -> TensorRecord:
+    with zipfile.ZipFile(MappedStream(item)) as archive:
+        records = {info.filename: info for info in archive.infolist()}
+    pickles = [name for name in records if name.count("/") == 1 and name.endswith("/data.pkl")]
+    if len(pickles) != 1:
+        raise Unusual("no single data.pkl")
+    prefix = pickles[0].rpartition("/")[0]
+    order = records.get(f"{prefix}/byteorder")
+    if order is None:  # torch would then guess; leave that to torch
+        raise Unusual("no byte order record")
+    start, length = _record(item, order)
+    if bytes(item[start:start + length]).decode("ascii", "replace") != sys.byteorder:
+        raise Unusual("foreign byte order")
+    start, length = _record(item, records[pickles[0]])
+    layout = _LayoutUnpickler(io.BytesIO(item[start:start + length])).load()
+    if not isinstance(layout, _Layout):
+        raise Unusual("not a tensor")
+    data = records.get(f"{prefix}/data/{layout.storage.key}")
+    if data is None:
+        raise Unusual("no storage record")
+    offset, nbytes = _record(item, data)
+    element = layout.storage.dtype.itemsize
+    if layout.storage.numel * element != nbytes or nbytes % layout.dtype.itemsize:
+        raise Unusual("storage size")
+    return TensorRecord(layout.dtype, layout.size, layout.stride, layout.storage_offset, offset, nbytes)
+
+
+def parse_tensor_record(item: memoryview) -> TensorRecord | None:
+    """The layout of the tensor saved as ``item`` (one DCP item's bytes), or None when the
+    item is not a plain dense tensor archive this parser knows."""
+    try:
+        return _parse(item)
+    except (Unusual, zipfile.BadZipFile, pickle.UnpicklingError, struct.error, ValueError,
+            TypeError, EOFError, IndexError, KeyError, AttributeError):
+        return None
+
+
+def narrowed(record: TensorRecord, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor | None:
+    """The part of the saved tensor a read request wants, as a meta tensor (layout only), or
+    None when the request or the record's layout does not fit inside the stored bytes. The
+    narrowing is torch's (``narrow_tensor_by_index``): a dimension is narrowed only where the
+    request is shorter than the saved tensor."""
+    numel = record.nbytes // record.dtype.itemsize
+    try:
+        part = torch.empty(numel, dtype=record.dtype, device="meta").as_strided(
+            record.size, record.stride, record.storage_offset)
+        whole = part.size()
+        for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=False)):
+            if length < whole[dim]:
+                part = part.narrow(dim, offset, length)
+    except (RuntimeError, IndexError, ValueError, TypeError):
+        return None
+    # meta tensors are not bounds-checked: every element the part reaches must be stored
+    if part.numel() and (part.storage_offset() < 0 or min(part.stride(), default=0) < 0
+                         or last_element(part) >= numel):
+        return None
+    return part
+
+
+def last_element(part: torch.Tensor) -> int:
+    """The storage index of the last element a (non-empty) strided view reaches."""
+    return part.storage_offset() + sum((n - 1) * s for n, s in zip(part.size(), part.stride(), strict=True))
+
+
+def copy_pair(mapping: memoryview, start: int, record: TensorRecord, part: torch.Tensor,
+              target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination, source) for ``destination.copy_(source)``: ``source`` views the stored
+    bytes at ``mapping[start:]`` (no copy) where it can. The caller drops both after the copy:
+    the source pins the mapping. ``part`` comes from :func:`narrowed`."""
+    size = record.dtype.itemsize
+    if part.numel() == 0:
+        return target, torch.empty(part.size(), dtype=record.dtype)
+    if (part.is_contiguous() and type(target) is torch.Tensor and target.layout == torch.strided
+            and target.is_contiguous() and target.dtype == record.dtype
+            and not target.is_conj() and not target.is_neg()):
+        # the same bytes in the same order on both sides: a byte copy, whatever the alignment
+        source = torch.frombuffer(mapping, dtype=torch.uint8, count=part.numel() * size,
+                                  offset=start + part.storage_offset() * size)
+        return target.reshape(-1).view(torch.uint8), source
+    if start % size == 0:  # a typed view needs aligned elements (the mapping is page-aligned)
+        whole = torch.frombuffer(mapping, dtype=record.dtype, count=record.nbytes // size, offset=start)
+    else:  # rare (a strided part or a dtype conversion): an aligned copy, as torch.load makes
+        whole = torch.frombuffer(mapping, dtype=torch.uint8, count=record.nbytes, offset=start)
+        whole = whole.clone().view(record.dtype)
+    return target, whole.as_strided(part.size(), part.stride(), part.storage_offset())
