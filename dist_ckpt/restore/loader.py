@@ -11,12 +11,13 @@ digest matched), global state, and RNG last.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError
 from ..format.manifest import DCP_DIR, GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
@@ -34,6 +35,7 @@ from ..restart import contract as contract_mod
 from ..restart.state import TrainState
 from ..storage.base import StoreReader
 from ..tiers.base import CommitTier
+from . import optim_targets
 from .layout import check_layout
 from .onepass import OnePassReader, own_shards
 
@@ -164,8 +166,17 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
         warnings.warn(message, stacklevel=3)
         result.warnings.append(message)
 
-    template = state.tensor_state(wanted)
-    _dcp_load(comm, tier, name, manifest, template, scratch_parent, one_pass)
+    prebuilt: list[torch.Tensor] = []
+
+    def template_for(metadata: Metadata) -> dict:
+        prebuilt.extend(optim_targets.prebuild(state, metadata, wanted))
+        return state.tensor_state(wanted)
+
+    try:
+        template = _dcp_load(comm, tier, name, manifest, template_for, scratch_parent, one_pass)
+    except BaseException:
+        optim_targets.discard(state, prebuilt)  # the next candidate starts from no state
+        raise
     backend = tier.store
     state.load_tensor_state(template)
 
@@ -183,9 +194,11 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
     return result
 
 
-def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest, template: dict,
-              scratch_parent: str | None, one_pass: bool) -> None:
-    """DCP load of ``template`` (all ranks); a verification failure on any rank becomes one
+def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
+              template_for: Callable[[Metadata], dict], scratch_parent: str | None,
+              one_pass: bool) -> dict:
+    """DCP load (all ranks) into the template ``template_for`` builds from the generation's
+    metadata, which it returns; a verification failure on any rank becomes one
     ``ValidationError`` naming each failing rank's file."""
     reader = tier.open_reader(name, manifest, scratch_parent)
     verifying = OnePassReader(reader, comm, name, manifest) if one_pass else None
@@ -193,13 +206,16 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest, templ
     try:
         if verifying is not None:  # hashed while DCP plans: the rank's own shards
             verifying.prefetch(own_shards(manifest, comm.rank))
-        check_layout(name, reader.read_metadata(), template)  # before anything is written into
+        metadata = reader.read_metadata()
+        template = template_for(metadata)
+        check_layout(name, metadata, template)  # before anything is written into
         if comm.distributed:
             dcp.load(template, storage_reader=storage_reader, process_group=comm.group)
         else:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(template, storage_reader=storage_reader)
+        return template
     except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
         failed = {rank: failure for rank, (failure, _) in getattr(exc, "failures", {}).items()
                   if isinstance(failure, ValidationError)}
