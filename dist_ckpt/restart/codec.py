@@ -36,14 +36,22 @@ def encode(value: Any) -> Any:
         return {_TAG: "ndarray", "dtype": array.dtype.str, "shape": list(array.shape),
                 "data": base64.b64encode(array.tobytes()).decode("ascii")}
     if isinstance(value, tuple):
-        return {_TAG: "tuple", "items": [encode(v) for v in value]}
+        return {_TAG: "tuple", "items": _encode_items(value)}
     if isinstance(value, list):
-        return [encode(v) for v in value]
+        return _encode_items(value)
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and _TAG not in value:
             return {k: encode(v) for k, v in value.items()}
         return {_TAG: "dict", "items": [[encode(k), encode(v)] for k, v in value.items()]}
     raise TypeError(f"cannot encode {type(value).__name__} in a checkpoint (JSON codec)")
+
+
+def _encode_items(items: list | tuple) -> list:
+    # RNG states are long runs of plain ints (Python's Mersenne Twister: 625): kept as they
+    # are without a call per item, the same JSON as item by item
+    if all(type(item) is int for item in items):
+        return list(items)
+    return [encode(item) for item in items]
 
 
 def decode(value: Any) -> Any:

@@ -27,21 +27,22 @@ from ..protocol.comm import Comm
 from ..restart.tree import walk
 
 
+@torch.no_grad()  # DTensor.to_local without an autograd node per tensor
 def layout_fingerprint(state: Any) -> str:
-    """A digest of the keys, types, shapes, dtypes and shardings of ``state`` (not values)."""
-    digest = hashlib.sha256()
-
+    """A digest of the keys, types, shapes, dtypes and shardings of ``state`` (not values);
+    compared only with this process's own earlier fingerprints."""
+    layout: list[tuple] = []
     for path, value in walk(state):
         if isinstance(value, DTensor):
-            digest.update(f"{path}|D|{tuple(value.shape)}|{value.dtype}|{value.placements}|"
-                          f"{tuple(value.to_local().shape)}\n".encode())
+            layout.append((path, "D", tuple(value.shape), value.dtype, value.placements,
+                           tuple(value.to_local().shape)))
         elif isinstance(value, torch.Tensor):
-            digest.update(f"{path}|T|{tuple(value.shape)}|{value.dtype}\n".encode())
+            layout.append((path, "T", tuple(value.shape), value.dtype))
         elif isinstance(value, list | tuple):
-            digest.update(f"{path}|L{len(value)}\n".encode())
+            layout.append((path, "L", len(value)))
         elif not isinstance(value, dict):
-            digest.update(f"{path}|O\n".encode())
-    return digest.hexdigest()
+            layout.append((path, "O"))
+    return hashlib.sha256(repr(layout).encode()).hexdigest()
 
 
 @dataclass
