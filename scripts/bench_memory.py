@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, runinfo, shm  # noqa: E402
+from dist_ckpt.save.staging import local_tensors  # noqa: E402
 from dist_ckpt.testing import run_ranks  # noqa: E402
 
 WIDTH = 1024
@@ -58,13 +59,10 @@ class CopyTarget:
 
     def __init__(self, state: TrainState) -> None:
         self.state = state
-        self.targets = [torch.empty_like(t) for t in self._live()]
-
-    def _live(self) -> list[torch.Tensor]:
-        return [t.to_local() if hasattr(t, "to_local") else t for t in _tensors(self.state.tensor_state())]
+        self.targets = [torch.empty_like(t) for t in local_tensors(state.tensor_state())]
 
     def copy(self) -> float:
-        live = self._live()
+        live = local_tensors(self.state.tensor_state())
         began = time.perf_counter()
         for target, source in zip(self.targets, live, strict=True):
             target.copy_(source)
@@ -73,25 +71,8 @@ class CopyTarget:
 
 def copy_baseline(state: TrainState, repeats: int = 3) -> float:
     """A copy of the rank's tensors into preallocated memory (best of ``repeats``)."""
-    live = [t.to_local() if hasattr(t, "to_local") else t for t in _tensors(state.tensor_state())]
-    targets = [torch.empty_like(t) for t in live]
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
-        for target, source in zip(targets, live, strict=True):
-            target.copy_(source)
-        best = min(best, time.perf_counter() - began)
-    return best
-
-
-def _tensors(tree: object) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for value in tree.values() for t in _tensors(value)]
-    if isinstance(tree, list | tuple):
-        return [t for value in tree for t in _tensors(value)]
-    return []
+    spare = CopyTarget(state)
+    return min(spare.copy() for _ in range(repeats))
 
 
 def job(rank: int, world: int, root: str, shm_dir: str, memory: bool, mib: int, steps: int,
