@@ -291,17 +291,15 @@ class CheckpointManager:
         if self.staging is None or self.snapshots is not None \
                 or len(self._jobs) >= self.config.max_in_flight:
             return None
+        slot = None
         try:
             faults.hit("stage.before", self.comm.rank)
             slot = self.staging.acquire()
-        except BaseException:
-            pending.wait()  # the peers are in this collective: end it before raising
-            raise
-        try:
             return Staged(slot, slot.stage(live))
         except BaseException:
-            self.staging.release(slot)
-            pending.wait()
+            if slot is not None:
+                self.staging.release(slot)
+            pending.wait()  # the peers are in this collective: end it before raising
             raise
 
     def _existing(self, name: str) -> str | None:
@@ -339,10 +337,11 @@ class CheckpointManager:
         state.next_update = next_update
         if tokens_seen is not None:
             state.tokens_seen = tokens_seen
-        if ahead is None:
+        if ahead is not None:
+            slot = ahead.slot
+        else:
             faults.hit("stage.before", self.comm.rank)
-        slot = ahead.slot if ahead is not None else \
-            self.staging.acquire() if self.staging is not None else None
+            slot = self.staging.acquire() if self.staging is not None else None
         pending: PendingCopy | None = None
         try:
             if ahead is not None:

@@ -188,12 +188,11 @@ class PendingGather:
             return
         payload = pickle.dumps(obj)
         fits = len(payload) <= self.FRAME_BYTES - self._HEADER.size
-        frame = torch.zeros(self.FRAME_BYTES, dtype=torch.uint8)
-        header = self._HEADER.pack(len(payload) if fits else -1)
-        frame[:self._HEADER.size] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        if fits and payload:
-            frame[self._HEADER.size:self._HEADER.size + len(payload)] = torch.frombuffer(
-                bytearray(payload), dtype=torch.uint8)
+        buffer = bytearray(self.FRAME_BYTES)
+        self._HEADER.pack_into(buffer, 0, len(payload) if fits else -1)
+        if fits:
+            buffer[self._HEADER.size:self._HEADER.size + len(payload)] = payload
+        frame = torch.frombuffer(buffer, dtype=torch.uint8)
         self._frames = [torch.empty_like(frame) for _ in range(comm.world_size)]
         self._work = dist.all_gather(self._frames, frame, group=comm.group, async_op=True)
 
