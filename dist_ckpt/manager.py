@@ -16,7 +16,6 @@ import os
 import tempfile
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,16 +28,15 @@ from .errors import (
     ConfigError,
     GenerationExists,
     NotAtOptimizerBoundary,
-    ValidationError,
 )
-from .format.manifest import MANIFEST_NAME, generation_name
-from .ops import janitor, retention
+from .format.manifest import generation_name
+from .ops import janitor, retention, save_facts
 from .ops.done import DoneRecord
 from .ops.finish import finish_run
 from .ops.flash import FlashTier
-from .ops.inventory import GenerationInfo, inspect_generation, inventory
-from .protocol.comm import Comm, PendingGather
-from .protocol.messages import PINS_KEY, SaveFacts, SpaceFacts
+from .ops.inventory import GenerationInfo, inventory
+from .protocol.comm import Comm
+from .protocol.messages import PINS_KEY
 from .restart import codec
 from .restart import contract as contract_mod
 from .restart.state import TrainState
@@ -53,8 +51,8 @@ from .save.planning import SavePlanCache, layout_fingerprint
 from .save.request import ManifestInfo
 from .save.schedule import SaveSchedule
 from .save.snapshot import PendingCopy, lazy_snapshots, run_after_copy
-from .save.space import check_space, free_bytes
-from .save.staging import Staged, StagingPool
+from .save.space import check_space
+from .save.staging import Staged, StagingPool, stage_ahead
 from .tiers import CommitTier, TierOptions, open_tier
 from .version import __version__
 
@@ -199,10 +197,13 @@ class CheckpointManager:
         ahead: Staged | None = None
         try:
             while True:
-                pending = self._agree_start(name, fingerprint)
-                if ahead is None:  # the copy runs while the peers' facts arrive
-                    ahead = self._stage_ahead(live, pending)
-                agreed = self._agreed(name, pending)
+                self._reap()
+                pending = save_facts.gather_start(self, name, fingerprint)
+                if ahead is None and self.snapshots is None \
+                        and len(self._jobs) < self.config.max_in_flight:
+                    # the eager copy runs while the peers' facts arrive
+                    ahead = stage_ahead(self.staging, live, pending, self.comm.rank)
+                agreed = save_facts.gathered(self, name, pending)
                 self._raise_agreed_errors(sorted({g for f in agreed for g in f.errors}))
                 if not all(f.boundary for f in agreed):
                     self.state.check_boundary()
@@ -256,79 +257,6 @@ class CheckpointManager:
         if self._rehearsal is not None:  # a rehearsal writes neither a generation nor DONE
             rehearsal.end_script_rehearsal(self, self._rehearsal, final_update)
         return finish_run(self, final_update, tokens_seen)
-
-    def _agree_start(self, name: str, fingerprint: str) -> PendingGather:
-        """Start the all-gather (all ranks) of what each rank knows before a save may start;
-        ``wait()`` on the result gives every rank's ``SaveFacts``."""
-        self._reap()
-        is_root = self.comm.rank == 0
-        facts = SaveFacts(
-            busy=len(self._jobs) >= self.config.max_in_flight,
-            errors=tuple(sorted(self._unraised)),
-            boundary=self.state.at_optimizer_boundary(),
-            cached=fingerprint == self.plans.fingerprint,
-            space=self._space_facts(fingerprint),
-            extras=agreement.extras_digests(self.state.extras),
-            exists=self._existing(name) if is_root else None,
-            attempt_id=uuid.uuid4().hex[:8] if is_root else None,
-        )
-        return self.comm.all_gather_start(facts)
-
-    def _agreed(self, name: str, pending: PendingGather) -> list[SaveFacts]:
-        try:
-            return pending.wait()
-        except RuntimeError as exc:  # gloo: a peer died or broke off during the agreement
-            peers = {rank: "did not complete the save agreement (this or another peer failed)"
-                     for rank in range(self.comm.world_size) if rank != self.comm.rank}
-            raise CommitError(f"{name} was not saved: the save agreement failed ({exc})",
-                              generation=name, failures=peers) from exc
-
-    def _stage_ahead(self, live: dict, pending: PendingGather) -> Staged | None:
-        """The eager copy into a free staging slot while the agreement is in flight (the
-        wait for the slowest peer overlaps it). Dropped if the save does not start; the
-        state cannot change meanwhile (the caller is inside ``save()``). None when there is
-        no free slot yet or the snapshot is lazy (copied later) or there is no staging."""
-        if self.staging is None or self.snapshots is not None \
-                or len(self._jobs) >= self.config.max_in_flight:
-            return None
-        slot = None
-        try:
-            faults.hit("stage.before", self.comm.rank)
-            slot = self.staging.acquire()
-            return Staged(slot, slot.stage(live))
-        except BaseException:
-            if slot is not None:
-                self.staging.release(slot)
-            pending.wait()  # the peers are in this collective: end it before raising
-            raise
-
-    def _existing(self, name: str) -> str | None:
-        """Rank 0: None when ``name`` can be saved, else why not (committed, or present but
-        invalid: a generation restore did not see or could not move aside)."""
-        if not self.backend.exists(f"{name}/{MANIFEST_NAME}"):
-            return None
-        info = inspect_generation(self.backend, name, digests=False, key=self.config.signing_key)
-        if info.state == "committed":
-            return "is already committed"
-        return (f"is present but invalid ({info.reason}); move it aside with "
-                f"`dist-ckpt quarantine {self.config.root} {name}` (restore() does this for "
-                f"generations newer than the one it loads)")
-
-    def _space_facts(self, fingerprint: str) -> SpaceFacts | None:
-        # the first save of a layout has no plan yet: it is not checked (an ENOSPC during
-        # the write still fails it cleanly), later saves know exactly what each rank writes
-        if not self.config.check_free_space or fingerprint != self.plans.fingerprint:
-            return None
-        free = None
-        if self.comm.rank == self.comm.fs_leader:
-            try:
-                free = free_bytes(self.write_root)
-            except OSError as exc:  # unmeasurable: this group is not checked, peers not stalled
-                log.warning("cannot measure free space under %s: %s", self.write_root, exc)
-        # saves in flight whose files are not written yet will still take their share
-        unwritten = sum(1 for job in self._jobs if not job.written)
-        per_save = self.plans.plan_bytes or 0
-        return SpaceFacts(leader=self.comm.fs_leader, bytes=per_save * (1 + unwritten), free=free)
 
     def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
                fingerprint: str, all_cached: bool, attempt_id: str, started: float,
@@ -545,21 +473,7 @@ class CheckpointManager:
         the new pins or raises the same error.
         """
         self._check_open()
-        outcome: tuple[dict[str, str] | None, str | None] = (None, None)
-        if self.comm.rank == 0:
-            try:
-                pins = retention.set_pin(self.backend, generation, label)
-                if self.mirror is not None:  # so that a prune of the mirror alone keeps them too
-                    retention.write_pins(self.mirror, pins)
-                self.comm.publish_names(PINS_KEY, pins)
-                outcome = (pins, None)
-            except Exception as exc:  # noqa: BLE001 - every rank raises it after the broadcast
-                outcome = (None, f"{type(exc).__name__}: {exc}")
-        pins, problem = self.comm.broadcast(outcome)
-        if problem is not None:
-            raise ValidationError(f"cannot change the pin of {generation}: {problem}",
-                                  generation=generation)
-        return pins
+        return retention.pin_on_all_ranks(self.comm, self.backend, self.mirror, generation, label)
 
     def generations(self) -> list[GenerationInfo]:
         """Every generation under the root, newest first, with its state (no digest check;

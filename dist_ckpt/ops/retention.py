@@ -16,6 +16,8 @@ from ..errors import StorageError, ValidationError
 from ..format.manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import list_generations, read_manifest
+from ..protocol.comm import Comm
+from ..protocol.messages import PINS_KEY
 from ..storage.base import Backend, Store, read_bounded
 from ..tiers.base import CommitTier
 
@@ -110,6 +112,27 @@ class PrunePlan:
     incomplete: list[str] = field(default_factory=list)  # no manifest, older than the newest committed
     orphans: list[str] = field(default_factory=list)  # attempt directories no manifest references
     multipart_aborted: int = 0
+
+
+def pin_on_all_ranks(comm: Comm, backend: Backend, mirror: Backend | None, generation: str,
+                     label: str | None) -> dict[str, str]:
+    """``CheckpointManager.pin`` (all ranks, collective): rank 0 changes the pins (in the
+    mirror too, so that a prune of the mirror alone keeps them) and publishes them to the
+    leaders of other nodes; every rank returns the new pins or raises the same error."""
+    outcome: tuple[dict[str, str] | None, str | None] = (None, None)
+    if comm.rank == 0:
+        try:
+            pins = set_pin(backend, generation, label)
+            if mirror is not None:
+                write_pins(mirror, pins)
+            comm.publish_names(PINS_KEY, pins)
+            outcome = (pins, None)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it after the broadcast
+            outcome = (None, f"{type(exc).__name__}: {exc}")
+    pins, problem = comm.broadcast(outcome)
+    if problem is not None:
+        raise ValidationError(f"cannot change the pin of {generation}: {problem}", generation=generation)
+    return pins
 
 
 def plan_prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = None,

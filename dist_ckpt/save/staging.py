@@ -21,7 +21,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import faults
 from ..errors import StagingError
+from ..protocol.comm import PendingGather
 from ..restart.tree import walk
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, live source): a copy still to do
@@ -164,3 +166,22 @@ class StagingPool:
             self._account(-slot.nbytes)
             slot.buffers.clear()
             slot._wrappers.clear()
+
+
+def stage_ahead(pool: StagingPool | None, live: Any, pending: PendingGather, rank: int) -> Staged | None:
+    """The eager copy into a free staging slot while the save agreement ``pending`` is in
+    flight (the wait for the slowest peer overlaps it); None without staging. The caller
+    (inside ``save()``, so the state cannot change meanwhile) drops it if the save does not
+    start. On a failure the collective is ended before raising: the peers are in it."""
+    if pool is None:
+        return None
+    slot = None
+    try:
+        faults.hit("stage.before", rank)
+        slot = pool.acquire()
+        return Staged(slot, slot.stage(live))
+    except BaseException:
+        if slot is not None:
+            pool.release(slot)
+        pending.wait()
+        raise
