@@ -137,6 +137,12 @@ class CheckpointConfig(BaseModel):
         description="With `memory_tier`: also persist a committed in-memory generation once this many "
                     "seconds have passed since the last one chosen for persistence (or since the job's "
                     "start). Given without `persist_every`, persistence follows the interval alone.")
+    memory_replica: bool = Field(
+        default=True,
+        description="With `memory_tier` on more than one node: each node also keeps a copy of its ring "
+                    "predecessor's files of the newest in-memory generation, so a node that lost its "
+                    "memory (replaced, or its launcher died) still restores from memory (README, "
+                    "\"Memory tier\"). The copy is pulled in the background after each commit.")
     check_free_space: bool = Field(
         default=True,
         description="Refuse a save (`InsufficientSpace`) when the filesystem written to lacks room for one "

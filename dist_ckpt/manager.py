@@ -413,6 +413,8 @@ class CheckpointManager:
                 self.uploader.close(self.config.close_timeout_s)
             self._janitor.shutdown(wait=True)
             self._join_save_threads(deadline)
+            if self.flash is not None:
+                self.flash.close()
             if self.snapshots is not None:
                 self.snapshots.close()  # the optimizer step pre-hooks
             if self.staging is not None and not self._jobs:
@@ -449,6 +451,8 @@ class CheckpointManager:
             self._rehearsal = rehearsal.rehearse(self, None if target == "newest" else target, None)
             return RestoreResult(next_update=self._rehearsal.next_update,
                                  generation=self._rehearsal.generation)
+        if self.flash is not None and self.flash.ring is not None:
+            self.flash.ring.repair()  # complete each node's memory copy from its peers
         result = resume(self, components, allow_contract_change, verify_digests)
         if self.flash is not None:
             self.flash.after_restore(self.comm, result)

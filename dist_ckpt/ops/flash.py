@@ -38,6 +38,7 @@ from ..tiers.base import CommitTier
 from ..tiers.memory import MemoryTier, open_memory_tier
 from . import retention
 from .inventory import inspect_generation
+from .replica import NodeRing
 
 if TYPE_CHECKING:
     from ..restore.loader import RestoreResult
@@ -81,6 +82,7 @@ class FlashTier:
         self.policy = PersistPolicy(config)
         self._forced: set[str] = set()
         self._lock = threading.Lock()
+        self.ring: NodeRing | None = None
 
     def start_persisting(self, comm: Comm) -> MirrorUploader:
         """Every rank, once the filesystem groups are known: the replay thread to the root."""
@@ -91,6 +93,8 @@ class FlashTier:
             nice=self.config.background_nice)
         if comm.rank == 0:
             self.uploader.on_settled = self.prune_memory
+        self.ring = NodeRing(comm, self.tier, replicate=self.config.memory_replica)
+        self.tier.peers = self.ring
         return self.uploader
 
     def persists(self, generation: str) -> bool:
@@ -123,9 +127,27 @@ class FlashTier:
                         keep_every=self.config.keep_every, key=self.config.signing_key,
                         pinned=frozenset(retention.read_pins(self.root.store)))
 
+    def replicate(self) -> None:
+        """Filesystem leaders, janitor thread, before ``prune_memory``: the ring copies."""
+        if self.ring is None:
+            return
+        try:
+            self.ring.push_newest()
+            self.ring.settle_replicas()
+        except Exception:  # noqa: BLE001 - replicas must never break training
+            log.exception("memory tier replication pass failed")
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+
     def after_restore(self, comm: Comm, result: RestoreResult) -> None:
+        if self.ring is not None:
+            self.ring.after_restore()
         if comm.rank != comm.fs_leader:
             return
+        if self.ring is not None:
+            self.ring.drop_newer_replicas(result.generation)
         dropped = self.tier.drop_newer(result.generation)
         if dropped:
             log.warning("dropped in-memory generation(s) %s, newer than the resumed %s",

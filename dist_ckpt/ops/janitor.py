@@ -25,6 +25,7 @@ def prune_local(mgr: CheckpointManager) -> None:
     """Local retention; generations still waiting for the mirror are kept (a corrupt
     pins.json, say, deletes nothing)."""
     if mgr.flash is not None:
+        mgr.flash.replicate()  # first: the generation sent is never pruned meanwhile
         mgr.flash.prune_memory()  # the root is pruned after each persistence
         return
     if not mgr.config.keep_last:

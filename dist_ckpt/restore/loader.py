@@ -20,7 +20,14 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError
-from ..format.manifest import DCP_DIR, GLOBAL_STATE_FILE, Manifest, parse_generation, rank_state_file
+from ..format.manifest import (
+    DCP_DIR,
+    GLOBAL_STATE_FILE,
+    METADATA_FILE,
+    Manifest,
+    parse_generation,
+    rank_state_file,
+)
 from ..format.validate import (
     Problem,
     check_digests,
@@ -102,7 +109,8 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
     if comm.rank == 0:
         try:
             checked = check_structure(backend, name, key=key)
-            check_sizes(backend, name, checked)
+            if not same_world:  # node copies: each rank checks its node's files below
+                check_sizes(backend, name, checked)
             verdict: str | Problem = checked.model_dump_json()
         except Exception as exc:  # noqa: BLE001 - any failure rejects it; peers wait on the broadcast
             verdict = Problem(name, _reason(exc), getattr(exc, "path", None),
@@ -115,7 +123,13 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
         return Problem(name, f"saved by {manifest.world_size} ranks, this job has "
                              f"{comm.world_size}: that tier restores only the same world size")
     problem = None
-    mine = [f.path for f in manifest.files][comm.rank :: comm.world_size]
+    if same_world:
+        # a node's copy holds its ranks' files and the common ones: each rank checks its own,
+        # each filesystem leader the common files (ops/replica.py completes the copies)
+        mine = [f.path for f in manifest.files if f.rank == comm.rank
+                or (f.path in COMMON_FILES and comm.rank == comm.fs_leader)]
+    else:
+        mine = [f.path for f in manifest.files][comm.rank :: comm.world_size]
     try:
         # DCP unpickles .metadata without restriction before it knows anything else: its
         # digest is checked even when the caller turned digests off (an opt-out for trusted
@@ -134,7 +148,8 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
     return problems[0] if problems else manifest
 
 
-ALWAYS_HASHED = frozenset({"dcp/.metadata"})
+ALWAYS_HASHED = frozenset({METADATA_FILE})
+COMMON_FILES = frozenset({METADATA_FILE, GLOBAL_STATE_FILE})  # every rank reads them
 
 
 def _reason(exc: Exception) -> str:

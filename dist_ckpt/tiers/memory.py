@@ -20,20 +20,31 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from typing import Protocol
 
 from .. import logs, shm
 from ..errors import ConfigError
-from ..format.manifest import parse_generation
+from ..format.manifest import DCP_DIR, Manifest, parse_generation
 from ..format.validate import Problem
+from .base import GenerationReader, LocalFilesReader
 from .rename import RenameTier
 
 log = logs.get(__name__)
+
+
+class PeerSource(Protocol):
+    def fetch_for_load(self, generation: str, manifest: Manifest, path: str) -> str | None: ...
 
 
 class MemoryTier(RenameTier):
     kind = "memory"
     keeps_rejected = False
     reshards = False
+    peers: PeerSource | None = None  # other nodes' files, for a load on more than one node
+
+    def open_reader(self, generation: str, manifest: Manifest,
+                    scratch_parent: str | None = None) -> GenerationReader:
+        return _NodeFilesReader(self, generation, manifest)
 
     def move_aside(self, problem: Problem) -> str | None:
         if parse_generation(problem.generation) is None:
@@ -55,6 +66,25 @@ class MemoryTier(RenameTier):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
                 dropped.append(name)
         return dropped
+
+
+class _NodeFilesReader(LocalFilesReader):
+    """The node's copy in place; a shard file only another node holds (DCP wrote a
+    replicated tensor into one rank's file) is fetched from it. Unverified either way: the
+    one-pass reader hashes every file it loads from."""
+
+    def __init__(self, tier: MemoryTier, generation: str, manifest: Manifest) -> None:
+        super().__init__(tier.store, generation, manifest,
+                         os.path.join(tier.root, generation, manifest.location(DCP_DIR)))
+        self.peers = tier.peers
+
+    def local_copy(self, rel: str) -> tuple[str, bool]:
+        path, checked = super().local_copy(rel)
+        if self.peers is not None and not os.path.exists(path):
+            fetched = self.peers.fetch_for_load(self.generation, self.manifest, f"{DCP_DIR}/{rel}")
+            if fetched is not None:
+                return fetched, False
+        return path, checked
 
 
 def memory_root(root: str, run_id: str | None) -> str:

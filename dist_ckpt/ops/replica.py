@@ -1,0 +1,331 @@
+"""The memory tier across nodes: a ring of replicas, and in-memory restores that fetch from peers.
+
+Each node's memory holds the manifest and that node's ranks' files of an in-memory generation.
+A restore from memory then needs, on every node, the generation's common files (DCP
+``.metadata``, the global train state: rank 0's node wrote them) and now and then a shard of
+another node (DCP writes a replicated tensor, such as an optimizer step count, once, in one
+rank's file). With ``memory_replica``, each node's leader also keeps a copy of its ring
+predecessor's files of the newest in-memory generation (``<memory root>.replica/G/``), so a
+node that lost its memory (a replaced machine, a launcher that died) is rebuilt from it.
+
+Call order:
+- ``NodeRing(...)`` on every rank, once, after the filesystem groups are known (collective:
+  rank 0 draws the token; the leaders' server addresses are all-gathered);
+- ``replicate(G, manifest)`` on each leader after its node committed G (the save's
+  ``on_done``): in the ring thread, pull the predecessor's files of G, then keep only G;
+- ``repair()`` on every rank at the start of ``restore()`` (collective): every leader's
+  holdings are all-gathered, the newest generation the nodes can complete is chosen (the
+  same plan on every rank), and each leader fetches what its node lacks into its memory copy.
+  Nothing fetched is trusted: selection and the load check sizes and digests as always;
+- ``fetch_for_load`` from the memory tier's reader while DCP loads (any rank): a shard file
+  this node does not hold, fetched from the node of the rank that wrote it;
+- ``close`` on every rank when the manager closes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import threading
+import uuid
+
+from .. import logs
+from ..errors import DistCkptError
+from ..format.manifest import (
+    GLOBAL_STATE_FILE,
+    MANIFEST_NAME,
+    METADATA_FILE,
+    Manifest,
+    check_generation_name,
+    generation_name,
+    parse_generation,
+)
+from ..format.signing import SIGNATURE_NAME
+from ..protocol.comm import Comm
+from ..protocol.peer import PeerError, PeerFiles, fetch, push
+from ..storage.local import fsync_dir, write_durable
+from ..tiers.base import PENDING_PREFIX, pending_dir_name
+from ..tiers.memory import MemoryTier
+
+log = logs.get(__name__)
+PEER_HOST_ENV = "DIST_CKPT_PEER_HOST"
+COMMON = (METADATA_FILE, GLOBAL_STATE_FILE)
+HELD = 2  # newest generations per root a leader reports at restore
+REPLICA_WAIT_S = 60.0  # how long the predecessor's node copy may take to appear
+
+
+def peer_host(comm: Comm) -> str:
+    """The address this node's server listens on: ``DIST_CKPT_PEER_HOST``, else loopback when
+    every rank runs on this host, else the address this host's name resolves to."""
+    hosts = comm.all_gather(socket.gethostname())
+    if os.environ.get(PEER_HOST_ENV):
+        return os.environ[PEER_HOST_ENV]
+    return "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
+
+
+class NodeRing:
+    def __init__(self, comm: Comm, tier: MemoryTier, *, replicate: bool) -> None:
+        self.comm = comm
+        self.tier = tier
+        self.replica_root = tier.root.rstrip("/") + ".replica"
+        self.leader_of = comm.all_gather(comm.fs_leader)  # rank -> its node's leader
+        self.leaders = sorted(set(self.leader_of))
+        self.is_leader = comm.rank == comm.fs_leader
+        self.nodes = len(self.leaders)
+        self.replicating = replicate and self.nodes > 1
+        self.server: PeerFiles | None = None
+        self.token = comm.broadcast(secrets.token_hex(16) if comm.rank == 0 else None)
+        address = None
+        if self.nodes > 1 and self.is_leader:
+            os.makedirs(self.replica_root, exist_ok=True)
+            self.server = PeerFiles({"memory": tier.root, "replica": self.replica_root}, self.token,
+                                    peer_host(comm), writable=frozenset({"replica"}))
+            address = self.server.start()
+        elif self.nodes > 1:
+            peer_host(comm)  # the same collective as the leaders'
+        self.addresses = {r: a for r, a in enumerate(comm.all_gather(address)) if a is not None}
+        position = self.leaders.index(comm.fs_leader)
+        self.successor = self.leaders[(position + 1) % self.nodes]
+        self._pushed: str | None = None
+        self._closing = threading.Event()
+        self.fetched_dir = tier.root.rstrip("/") + ".fetched"  # shards of other nodes, per load
+
+    # ---- replication (leaders, the manager's janitor thread) -------------------------------
+    def push_newest(self) -> None:
+        """Send this node's files of its newest committed in-memory generation to the ring
+        successor, manifest last, once. It runs in the janitor thread before the memory prune,
+        so the generation being sent is never deleted meanwhile; an older one not sent yet is
+        skipped (only the newest is kept)."""
+        if not self.replicating or not self.is_leader or self._closing.is_set():
+            return
+        newest = next(iter(_committed(self.tier.root)), None)
+        if newest is None or newest == self._pushed:
+            return
+        directory = os.path.join(self.tier.root, newest)
+        target = pending_dir_name(newest, uuid.uuid4().hex[:8])
+        try:
+            with open(os.path.join(directory, MANIFEST_NAME), "rb") as handle:
+                manifest_raw = handle.read()
+            manifest = Manifest.from_bytes(manifest_raw, generation=newest)
+            group = {r for r, leader in enumerate(self.leader_of) if leader == self.comm.rank}
+            paths = [f.path for f in manifest.files if f.rank in group]  # rank 0's: the common too
+            if 0 in group and os.path.exists(os.path.join(directory, SIGNATURE_NAME)):
+                paths.append(SIGNATURE_NAME)
+            for path in [*paths, MANIFEST_NAME]:  # the manifest last: a replica's commit point
+                push(self.addresses[self.successor], self.token, "replica", f"{target}/{path}",
+                     os.path.join(directory, path))
+            self._pushed = newest
+        except (OSError, DistCkptError) as exc:  # a missed replica costs a restore from the root
+            log.warning("no replica of %s on the node of rank %d: %s", newest, self.successor, exc)
+
+    def settle_replicas(self) -> None:
+        """Leaders, janitor thread: received replicas whose manifest arrived are renamed to
+        their generation's name; only the newest complete one is kept (and newer partial ones,
+        still arriving)."""
+        if not self.is_leader or self.nodes == 1:
+            return
+        complete = _received(self.replica_root)
+        if not complete:
+            return
+        newest, directory = complete[0]
+        final = os.path.join(self.replica_root, newest)
+        if directory != newest:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(os.path.join(self.replica_root, directory), final)
+        floor = parse_generation(newest) or 0
+        for name in _listdir(self.replica_root):
+            number = _generation_of(name)
+            if name != newest and number is not None and number <= floor:
+                shutil.rmtree(os.path.join(self.replica_root, name), ignore_errors=True)
+
+    def drop_newer_replicas(self, generation: str | None) -> None:
+        """Leaders after restore: replicas newer than the generation resumed from belong to a
+        timeline the job will overwrite."""
+        floor = -1 if generation is None else (parse_generation(generation) or -1)
+        for name in _listdir(self.replica_root):
+            number = _generation_of(name)
+            if number is not None and number > floor:
+                shutil.rmtree(os.path.join(self.replica_root, name), ignore_errors=True)
+        self._pushed = None
+
+    # ---- restore (all ranks) ---------------------------------------------------------------
+    def holdings(self) -> dict:
+        """A leader's newest in-memory generations and replicas: per root, generation ->
+        (manifest, files held, directory name)."""
+        held: dict[str, dict[str, tuple[str, list[str], str]]] = {}
+        for root_name, root in (("memory", self.tier.root), ("replica", self.replica_root)):
+            found = [(n, n) for n in _committed(root)] if root_name == "memory" else _received(root)
+            held[root_name] = {}
+            for name, directory in found:
+                if name in held[root_name]:
+                    continue
+                path = os.path.join(root, directory)
+                try:
+                    with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as handle:
+                        raw = handle.read()
+                except (OSError, UnicodeDecodeError):
+                    continue
+                held[root_name][name] = (raw, _files_below(path), directory)
+                if len(held[root_name]) == HELD:
+                    break
+        return held
+
+    def repair(self) -> None:
+        """Complete every node's memory copy of the newest generation the nodes can complete
+        (collective). No-op on one node."""
+        if self.nodes == 1:
+            return
+        gathered = self.comm.all_gather(self.holdings() if self.is_leader else None)
+        held = {rank: h for rank, h in enumerate(gathered) if h is not None}
+        plan = self._plan(held)
+        if plan is None:
+            return
+        generation, manifest_raw, fetches = plan
+        outcome = None
+        if self.is_leader and fetches.get(self.comm.rank):
+            outcome = self._apply(generation, manifest_raw, fetches[self.comm.rank])
+        outcomes = [o for o in self.comm.all_gather(outcome) if o]
+        if self.comm.rank == 0:
+            fetched = sum(len(f) for f in fetches.values())
+            log.info("memory tier: %s completed on %d node(s) from peers (%d file(s))%s", generation,
+                     sum(1 for f in fetches.values() if f), fetched,
+                     f"; failed: {'; '.join(outcomes)}" if outcomes else "")
+
+    def _plan(self, held: dict[int, dict]) -> tuple[str, str, dict[int, list[tuple[str, int, str]]]] | None:
+        """The same on every rank: (generation, manifest, per leader [(path, source leader,
+        source root)]) for the newest generation every node can complete; None when nothing
+        needs fetching or nothing can be completed."""
+        names = {n for h in held.values() for root in h.values() for n in root}
+        for name in sorted(names, key=parse_generation, reverse=True):
+            copies = [(rank, root, h[root][name]) for rank, h in sorted(held.items())
+                      for root in ("memory", "replica") if name in h[root]]
+            manifest_raw = copies[0][2][0]
+            try:
+                manifest = Manifest.from_bytes(manifest_raw.encode(), generation=name)
+            except Exception:  # noqa: BLE001 - a damaged copy: the next generation
+                continue
+            if manifest.world_size != self.comm.world_size:
+                return None  # selection rejects it with its reason; the root is used
+            sources = [(rank, f"{root}/{directory}", set(files))
+                       for rank, root, (raw, files, directory) in copies if raw == manifest_raw]
+            fetches: dict[int, list[tuple[str, int, str]]] = {}
+            complete = True
+            for leader in self.leaders:
+                ranks = {r for r, lead in enumerate(self.leader_of) if lead == leader}
+                mine = held.get(leader, {}).get("memory", {}).get(name)
+                have = set(mine[1]) if mine is not None and mine[0] == manifest_raw else set()
+                needed = {f.path for f in manifest.files if f.rank in ranks or f.path in COMMON}
+                if 0 in ranks and any(SIGNATURE_NAME in files for _, _, files in sources):
+                    needed.add(SIGNATURE_NAME)
+                for path in sorted(needed - have):
+                    source = next(((r, where) for r, where, files in sources
+                                   if path in files and (r, where) != (leader, f"memory/{name}")), None)
+                    if source is None:
+                        complete = False
+                        break
+                    fetches.setdefault(leader, []).append((path, *source))
+                if not complete:
+                    break
+            if complete:
+                return (name, manifest_raw, fetches) if fetches else None
+        return None
+
+    def _apply(self, generation: str, manifest_raw: str, fetches: list[tuple[str, int, str]]) -> str | None:
+        """Fetch into this node's memory copy; a new copy is renamed into place manifest-last."""
+        check_generation_name(generation)
+        final = os.path.join(self.tier.root, generation)
+        exists = os.path.isdir(final)
+        target = final if exists else os.path.join(
+            self.tier.root, pending_dir_name(generation, uuid.uuid4().hex[:8]))
+        manifest = Manifest.from_bytes(manifest_raw.encode(), generation=generation)
+        sizes = {f.path: f.size for f in manifest.files}
+        try:
+            for path, source, where in fetches:
+                temporary = os.path.join(target, path + f".fetch-{uuid.uuid4().hex[:8]}")
+                root, _, directory = where.partition("/")
+                fetch(self.addresses[source], self.token, root, f"{directory}/{path}", temporary,
+                      max_bytes=sizes.get(path, 1 << 20))
+                os.rename(temporary, os.path.join(target, path))  # a name the copy lacked
+            if not exists:
+                write_durable(os.path.join(target, MANIFEST_NAME), manifest_raw.encode())
+                fsync_dir(target)
+                os.rename(target, final)
+            fsync_dir(self.tier.root)
+            return None
+        except (OSError, PeerError) as exc:
+            if not exists:
+                shutil.rmtree(target, ignore_errors=True)
+            return f"node of rank {self.comm.rank}: {exc}"
+
+    def fetch_for_load(self, generation: str, manifest: Manifest, path: str) -> str | None:
+        """A local path holding ``path`` of ``generation``, fetched from the node of the rank
+        that wrote it; None when no node can serve it."""
+        entry = next((f for f in manifest.files if f.path == path), None)
+        if entry is None or self.nodes == 1 or entry.rank >= len(self.leader_of):
+            return None
+        target = os.path.join(self.fetched_dir, generation, path)
+        if os.path.exists(target):
+            return target
+        source = self.leader_of[entry.rank]
+        temporary = f"{target}.{uuid.uuid4().hex[:8]}"
+        try:
+            fetch(self.addresses[source], self.token, "memory", f"{generation}/{path}", temporary,
+                  max_bytes=entry.size)
+            os.replace(temporary, target)
+        except PeerError as exc:
+            log.warning("%s", exc)
+            return None
+        return target
+
+    def after_restore(self) -> None:
+        shutil.rmtree(self.fetched_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Every rank, after the manager's janitor thread ended (no push is running)."""
+        self._closing.set()
+        if self.server is not None:
+            self.server.close()
+        self.after_restore()
+
+
+def _generation_of(name: str) -> int | None:
+    """The generation a replica directory holds: ``G`` or a pending ``.pending-G-<id>``."""
+    if name.startswith(PENDING_PREFIX):
+        name = name[len(PENDING_PREFIX):].rpartition("-")[0]
+    return parse_generation(name)
+
+
+def _committed(root: str) -> list[str]:
+    """Generations under ``root`` with their manifest, newest first."""
+    names = [n for n in _listdir(root) if parse_generation(n) is not None
+             and os.path.exists(os.path.join(root, n, MANIFEST_NAME))]
+    return sorted(names, key=lambda n: parse_generation(n) or 0, reverse=True)
+
+
+def _received(root: str) -> list[tuple[str, str]]:
+    """(generation, directory) of complete replicas (their manifest arrived, last), newest
+    first; a pending directory before a published one of the same generation."""
+    found = []
+    for name in _listdir(root):
+        number = _generation_of(name)
+        if number is not None and os.path.exists(os.path.join(root, name, MANIFEST_NAME)):
+            found.append((number, name.startswith(PENDING_PREFIX), name))
+    found.sort(reverse=True)
+    return [(generation_name(number), name) for number, _, name in found]
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _files_below(directory: str) -> list[str]:
+    found = []
+    for parent, _dirs, files in os.walk(directory):
+        for name in files:
+            found.append(os.path.relpath(os.path.join(parent, name), directory))
+    return sorted(found)
