@@ -45,7 +45,8 @@ from ..format.manifest import DCP_DIR, METADATA_FILE, FileEntry, Manifest
 from ..format.validate import check_entry
 from ..protocol.comm import Comm
 from ..storage.local import open_regular
-from .records import MappedStream, copy_pair, narrowed, parse_tensor_record
+from .records import copy_pair, narrowed, parse_tensor_record
+from .ziplayout import MappedStream
 
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 HASH_CHUNK = 256 << 20  # large enough for BLAKE3's threads; small enough to stop soon on close

@@ -11,13 +11,14 @@ The parse is deliberately narrow: anything it does not recognise (another pickle
 compressed or out-of-bounds record, a foreign byte order, tensor metadata, a subclass) makes
 it return ``None``, and the caller hands that item to torch's own ``torch.load`` path. The
 unpickler resolves a short allow-list of names only, so a verified item is never executed.
+The zip records themselves are found by ``ziplayout`` (``struct`` for torch's own archives,
+``zipfile`` for any other shape).
 """
 
 from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 import struct
 import sys
@@ -28,39 +29,7 @@ from typing import Any
 
 import torch
 
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
-_LOCAL_MAGIC = b"PK\x03\x04"
-_STORED = 0  # zip compression method "stored"; torch.save never compresses
-
-
-class MappedStream(io.RawIOBase):
-    """A read-only, seekable stream over a memory mapping (no copy until read)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        target = memoryview(buffer).cast("B")
-        chunk = self._view[self._pos:self._pos + len(target)]
-        target[:len(chunk)] = chunk
-        self._pos += len(chunk)
-        return len(chunk)
+from .ziplayout import Unusual, central_directory, stored_range
 
 
 @dataclass(frozen=True)
@@ -74,10 +43,6 @@ class TensorRecord:
     storage_offset: int
     data_offset: int
     nbytes: int
-
-
-class Unusual(Exception):
-    """An item the fast path does not handle; torch's path loads it instead."""
 
 
 @dataclass(frozen=True)
@@ -166,27 +131,8 @@ class _LayoutUnpickler(pickle.Unpickler):
         return _Storage(kind.dtype, key, numel)
 
 
-def _record(item: memoryview, info: zipfile.ZipInfo) -> tuple[int, int]:
-    """(offset, length) of a stored record's bytes within ``item``, from its local header
-    (its extra field, torch's alignment padding, may differ from the central directory's).
-    The zip CRC is not checked: dist_ckpt writes none, the file digest covers the bytes."""
-    start = info.header_offset
-    if info.compress_type != _STORED or info.compress_size != info.file_size:
-        raise Unusual("compressed record")
-    if start < 0 or start + _LOCAL_HEADER.size > len(item):
-        raise Unusual("record header out of bounds")
-    fields = _LOCAL_HEADER.unpack_from(item, start)
-    if fields[0] != _LOCAL_MAGIC:
-        raise Unusual("bad local header")
-    offset = start + _LOCAL_HEADER.size + fields[9] + fields[10]
-    if offset + info.file_size > len(item):
-        raise Unusual("record out of bounds")
-    return offset, info.file_size
-
-
 def _parse(item: memoryview) -> TensorRecord:
-    with zipfile.ZipFile(MappedStream(item)) as archive:
-        records = {info.filename: info for info in archive.infolist()}
+    records = central_directory(item)
     pickles = [name for name in records if name.count("/") == 1 and name.endswith("/data.pkl")]
     if len(pickles) != 1:
         raise Unusual("no single data.pkl")
@@ -194,17 +140,17 @@ def _parse(item: memoryview) -> TensorRecord:
     order = records.get(f"{prefix}/byteorder")
     if order is None:  # torch would then guess; leave that to torch
         raise Unusual("no byte order record")
-    start, length = _record(item, order)
+    start, length = stored_range(item, order)
     if bytes(item[start:start + length]).decode("ascii", "replace") != sys.byteorder:
         raise Unusual("foreign byte order")
-    start, length = _record(item, records[pickles[0]])
+    start, length = stored_range(item, records[pickles[0]])
     layout = _LayoutUnpickler(io.BytesIO(item[start:start + length])).load()
     if not isinstance(layout, _Layout):
         raise Unusual("not a tensor")
     data = records.get(f"{prefix}/data/{layout.storage.key}")
     if data is None:
         raise Unusual("no storage record")
-    offset, nbytes = _record(item, data)
+    offset, nbytes = stored_range(item, data)
     element = layout.storage.dtype.itemsize
     if layout.storage.numel * element != nbytes or nbytes % layout.dtype.itemsize:
         raise Unusual("storage size")
@@ -217,7 +163,8 @@ def parse_tensor_record(item: memoryview) -> TensorRecord | None:
     try:
         return _parse(item)
     except (Unusual, zipfile.BadZipFile, pickle.UnpicklingError, struct.error, ValueError,
-            TypeError, EOFError, IndexError, KeyError, AttributeError):
+            TypeError, EOFError, IndexError, KeyError, AttributeError,
+            NotImplementedError):  # zipfile's answer to a record that needs zip version > 6.3
         return None
 
 
