@@ -142,7 +142,8 @@ class CheckpointConfig(BaseModel):
         description="With `memory_tier` on more than one node: each node also keeps a copy of its ring "
                     "predecessor's files of the newest in-memory generation, so a node that lost its "
                     "memory (replaced, or its launcher died) still restores from memory (README, "
-                    "\"Memory tier\"). The copy is pulled in the background after each commit.")
+                    "\"Memory tier\"). Each node's leader sends its files to the next node in the "
+                    "background.")
     check_free_space: bool = Field(
         default=True,
         description="Refuse a save (`InsufficientSpace`) when the filesystem written to lacks room for one "

@@ -11,15 +11,20 @@ node that lost its memory (a replaced machine, a launcher that died) is rebuilt 
 Call order:
 - ``NodeRing(...)`` on every rank, once, after the filesystem groups are known (collective:
   rank 0 draws the token; the leaders' server addresses are all-gathered);
-- ``replicate(G, manifest)`` on each leader after its node committed G (the save's
-  ``on_done``): in the ring thread, pull the predecessor's files of G, then keep only G;
+- ``push_newest`` then ``settle_replicas`` on each leader in the manager's janitor thread
+  after each committed save, before the memory prune (so the generation being sent is never
+  deleted meanwhile): this node's files of its newest committed in-memory generation go to
+  the ring successor, manifest last (a replica's commit point); received replicas are renamed
+  to their generation's name and older ones dropped;
 - ``repair()`` on every rank at the start of ``restore()`` (collective): every leader's
   holdings are all-gathered, the newest generation the nodes can complete is chosen (the
   same plan on every rank), and each leader fetches what its node lacks into its memory copy.
   Nothing fetched is trusted: selection and the load check sizes and digests as always;
 - ``fetch_for_load`` from the memory tier's reader while DCP loads (any rank): a shard file
   this node does not hold, fetched from the node of the rank that wrote it;
-- ``close`` on every rank when the manager closes.
+- ``after_restore`` (every rank; leaders also ``drop_newer_replicas``), and ``close`` on every
+  rank when the manager closes: the last push, then a store handshake so that a leader keeps
+  serving until its predecessor's last push is in.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ log = logs.get(__name__)
 PEER_HOST_ENV = "DIST_CKPT_PEER_HOST"
 COMMON = (METADATA_FILE, GLOBAL_STATE_FILE)
 HELD = 2  # newest generations per root a leader reports at restore
-REPLICA_WAIT_S = 60.0  # how long the predecessor's node copy may take to appear
+CLOSE_WAIT_S = 30.0  # how long a closing leader keeps serving its predecessor's last push
 
 
 def peer_host(comm: Comm) -> str:
@@ -87,9 +92,11 @@ class NodeRing:
             peer_host(comm)  # the same collective as the leaders'
         self.addresses = {r: a for r, a in enumerate(comm.all_gather(address)) if a is not None}
         position = self.leaders.index(comm.fs_leader)
-        self.successor = self.leaders[(position + 1) % self.nodes]
+        self.successor = self.leaders[(position + 1) % self.nodes]  # holds this node's replica
+        self.predecessor = self.leaders[position - 1]  # whose replica this node holds
         self._pushed: str | None = None
-        self._closing = threading.Event()
+        self.fetched = 0  # files this rank fetched from peers for a restore (logs, tests)
+        self._push_lock = threading.Lock()
         self.fetched_dir = tier.root.rstrip("/") + ".fetched"  # shards of other nodes, per load
 
     # ---- replication (leaders, the manager's janitor thread) -------------------------------
@@ -98,8 +105,12 @@ class NodeRing:
         successor, manifest last, once. It runs in the janitor thread before the memory prune,
         so the generation being sent is never deleted meanwhile; an older one not sent yet is
         skipped (only the newest is kept)."""
-        if not self.replicating or not self.is_leader or self._closing.is_set():
+        if not self.replicating or not self.is_leader:
             return
+        with self._push_lock:  # the janitor's pass and close's last one
+            self._push_newest()
+
+    def _push_newest(self) -> None:
         newest = next(iter(_committed(self.tier.root)), None)
         if newest is None or newest == self._pushed:
             return
@@ -248,6 +259,7 @@ class NodeRing:
                 fetch(self.addresses[source], self.token, root, f"{directory}/{path}", temporary,
                       max_bytes=sizes.get(path, 1 << 20))
                 os.rename(temporary, os.path.join(target, path))  # a name the copy lacked
+                self.fetched += 1
             if not exists:
                 write_durable(os.path.join(target, MANIFEST_NAME), manifest_raw.encode())
                 fsync_dir(target)
@@ -274,6 +286,7 @@ class NodeRing:
             fetch(self.addresses[source], self.token, "memory", f"{generation}/{path}", temporary,
                   max_bytes=entry.size)
             os.replace(temporary, target)
+            self.fetched += 1
         except PeerError as exc:
             log.warning("%s", exc)
             return None
@@ -283,8 +296,16 @@ class NodeRing:
         shutil.rmtree(self.fetched_dir, ignore_errors=True)
 
     def close(self) -> None:
-        """Every rank, after the manager's janitor thread ended (no push is running)."""
-        self._closing.set()
+        """Every rank, after the manager's janitor thread ended (this node's pushes are over).
+        A leader says so in the store, then keeps serving until its predecessor said the same
+        (bounded): the last push of a run is not cut off by the receiver closing first."""
+        self.push_newest()  # the run's last generation, if the janitor had not sent it yet
+        if self.server is not None:
+            try:
+                self.comm.store_set(f"ring/pushed/{self.comm.rank}", b"1")
+                self.comm.store_wait([f"ring/pushed/{self.predecessor}"], CLOSE_WAIT_S)
+            except Exception:  # noqa: BLE001 - a store gone with rank 0: close at once
+                log.warning("ring close handshake skipped", exc_info=True)
         if self.server is not None:
             self.server.close()
         self.after_restore()

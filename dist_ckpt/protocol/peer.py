@@ -97,6 +97,7 @@ class PeerFiles:
                         sent += len(chunk)
                 self.served += 1
             except (OSError, ValueError, PeerError, DistCkptError) as exc:
+                log.warning("peer request refused: %s: %s", type(exc).__name__, exc)
                 reason = f"{type(exc).__name__}: {exc}".encode()[:1024]
                 try:
                     conn.sendall(_LENGTH.pack(-1) + struct.pack("!I", len(reason)) + reason)

@@ -107,7 +107,12 @@ def _load_agreed(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: 
     except ValidationError as exc:
         problem = Problem(name, str(exc), exc.path, tier=tier.url)
     problems = [p for p in mgr.comm.all_gather(problem) if p is not None]
-    return (None, problems[0]) if problems else (result, None)
+    if not problems:
+        return result, None
+    # this rank's url of the tier: a node-local tier (memory) has one per node, and the next
+    # selection skips by it on every rank alike
+    problems[0].tier = tier.url
+    return None, problems[0]
 
 
 def pointer_warnings(mgr: CheckpointManager) -> list[str]:

@@ -37,3 +37,34 @@ def restore(rank: int, world: int, root: str, shm_dir: str, run_id: str) -> dict
         result = mgr.restore()
     return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
             "rejected": [str(p) for p in result.rejected]}
+
+
+def node_dir(shm_dir: str, rank: int) -> str:
+    """One rank per node: each rank's memory tier lives in its own base directory, as on
+    separate machines (two filesystem groups, each its own leader)."""
+    return os.path.join(shm_dir, f"node{rank}")
+
+
+def node_train(rank: int, world: int, root: str, shm_dir: str, run_id: str, steps: int,
+               persist_every: int, kind: str = "fsdp", replica: bool = True) -> dict:
+    """Save to each node's memory after every update; the replica roots at the end."""
+    _env(node_dir(shm_dir, rank), run_id)
+    job = build(kind, rank, world)
+    with manager(job, root, memory_tier=True, persist_every=persist_every,
+                 memory_replica=replica) as mgr:
+        for update in range(1, steps + 1):
+            train_step(job)
+            mgr.save(update)
+        memory_root = mgr.save_tier.local_root
+    return {"full": full_state(job), "memory_root": memory_root}
+
+
+def node_restore(rank: int, world: int, root: str, shm_dir: str, run_id: str,
+                 kind: str = "fsdp") -> dict:
+    _env(node_dir(shm_dir, rank), run_id)
+    job = build(kind, rank, world, seed=99)
+    with manager(job, root, memory_tier=True) as mgr:
+        result = mgr.restore()
+        fetched = mgr.flash.ring.fetched
+    return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
+            "rejected": [str(p) for p in result.rejected], "fetched": fetched}

@@ -1,0 +1,91 @@
+"""The memory tier on two nodes (one gloo rank each, each with its own shared-memory base, as
+on separate machines): restore from memory completes each node's copy from its peer, a node
+that lost its memory is rebuilt from the replica its ring neighbour holds, and a damaged or
+missing replica falls back to the persistent root."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from dist_ckpt.format.manifest import MANIFEST_NAME
+from dist_ckpt.testing import run_ranks
+from tests.helpers import memory_jobs
+from tests.helpers.memory_jobs import node_dir
+
+pytestmark = pytest.mark.timeout(300)
+RUN = "n0001"
+NEWEST, PERSISTED = "gen-000000000005", "gen-000000000004"
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def train(tmp_path, kind: str = "fsdp", replica: bool = True) -> tuple[str, str, list[dict]]:
+    """5 updates, a save to memory after each, every 2nd persisted: the root lacks the newest."""
+    root, shm_dir = str(tmp_path / "root"), str(tmp_path / "shm")
+    ranks = run_ranks(2, memory_jobs.node_train, root, shm_dir, RUN, 5, 2, kind, replica, timeout_s=180)
+    return root, shm_dir, ranks
+
+
+def replica_of(memory_root: str, generation: str) -> str:
+    """The directory of ``generation`` among the replicas a node received (published or
+    still under its pending name: the manifest arrived last either way)."""
+    parent = memory_root.rstrip("/") + ".replica"
+    found = [n for n in os.listdir(parent) if generation in n
+             and os.path.exists(os.path.join(parent, n, MANIFEST_NAME))]
+    assert len(found) == 1, os.listdir(parent)
+    return os.path.join(parent, found[0])
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_two_nodes_restore_the_newest_generation_from_memory(tmp_path, kind: str) -> None:
+    root, shm_dir, trained = train(tmp_path, kind)
+    for rank, other in ((0, 1), (1, 0)):  # each node holds its own files and the other's replica
+        replica = replica_of(trained[rank]["memory_root"], NEWEST)
+        manifest = json.load(open(os.path.join(replica, MANIFEST_NAME)))
+        assert {f["rank"] for f in manifest["files"]} == {0, 1}
+        held = {f["path"] for f in manifest["files"] if os.path.exists(os.path.join(replica, f["path"]))}
+        assert held == {f["path"] for f in manifest["files"] if f["rank"] == other}
+    ranks = run_ranks(2, memory_jobs.node_restore, root, shm_dir, RUN, kind, timeout_s=180)
+    assert [(r["generation"], r["tier"], r["rejected"]) for r in ranks] == [(NEWEST, "memory", [])] * 2
+    assert equal(ranks[0]["full"], trained[0]["full"])
+    # node 1 lacked the generation's common files (rank 0 wrote them): fetched from node 0
+    assert ranks[1]["fetched"] >= 2
+
+
+def test_a_node_that_lost_its_memory_is_rebuilt_from_its_replica(tmp_path) -> None:
+    root, shm_dir, trained = train(tmp_path)
+    shutil.rmtree(node_dir(shm_dir, 1))  # node 1 replaced: its memory is gone
+    ranks = run_ranks(2, memory_jobs.node_restore, root, shm_dir, RUN, timeout_s=180)
+    assert [(r["generation"], r["tier"]) for r in ranks] == [(NEWEST, "memory")] * 2
+    assert equal(ranks[0]["full"], trained[0]["full"])
+    assert ranks[1]["fetched"] >= 4  # its shard and rank state, the common files, the manifest's peers
+
+
+def test_a_damaged_replica_is_rejected_and_the_root_used(tmp_path) -> None:
+    root, shm_dir, trained = train(tmp_path)
+    shutil.rmtree(node_dir(shm_dir, 1))
+    shard = os.path.join(replica_of(trained[0]["memory_root"], NEWEST), "dcp", "__1_0.distcp")
+    with open(shard, "r+b") as handle:  # one bit flipped in node 0's copy of node 1's shard
+        handle.seek(os.path.getsize(shard) // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    ranks = run_ranks(2, memory_jobs.node_restore, root, shm_dir, RUN, timeout_s=180)
+    assert [(r["generation"], r["tier"]) for r in ranks] == [(PERSISTED, "local")] * 2
+    assert any(NEWEST in why and "__1_0.distcp" in why for why in ranks[0]["rejected"]), ranks[0]
+
+
+def test_without_replicas_a_lost_node_restores_from_the_root(tmp_path) -> None:
+    root, shm_dir, trained = train(tmp_path, replica=False)
+    assert not os.listdir(trained[0]["memory_root"].rstrip("/") + ".replica")
+    shutil.rmtree(node_dir(shm_dir, 1))
+    ranks = run_ranks(2, memory_jobs.node_restore, root, shm_dir, RUN, timeout_s=180)
+    assert [(r["generation"], r["tier"]) for r in ranks] == [(PERSISTED, "local")] * 2
+    assert any(NEWEST in why for why in ranks[0]["rejected"]), ranks[0]
