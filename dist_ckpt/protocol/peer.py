@@ -208,14 +208,19 @@ def push(address: tuple[str, int], token: str, root: str, path: str, source: str
             conn.sendall(json.dumps({"token": token, "root": root, "path": path, "op": "put",
                                      "size": size}).encode() + b"\n")
             sent = 0
-            while sent < size and (chunk := handle.read(min(CHUNK, size - sent))):
-                conn.sendall(chunk)
-                sent += len(chunk)
+            try:
+                while sent < size and (chunk := handle.read(min(CHUNK, size - sent))):
+                    conn.sendall(chunk)
+                    sent += len(chunk)
+            except OSError:  # the peer refused before reading it all: its reason, if it sent one
+                pass
             (answer,) = _LENGTH.unpack(_exactly(conn, _LENGTH.size))
             if answer < 0:
                 (length,) = struct.unpack("!I", _exactly(conn, 4))
                 raise PeerError(f"{address[0]}:{address[1]} refused {root}/{path}: "
                                 f"{_exactly(conn, min(length, 1024)).decode(errors='replace')}")
+            if sent != size:
+                raise PeerError(f"{root}/{path}: sent {sent} of {size} bytes")
             return size
     except OSError as exc:
         raise PeerError(f"cannot push {root}/{path} to {address[0]}:{address[1]}: {exc}") from exc
