@@ -43,8 +43,10 @@ def replica_of(memory_root: str, generation: str) -> str:
     return os.path.join(parent, found[0])
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
-def test_two_nodes_restore_the_newest_generation_from_memory(tmp_path, kind: str) -> None:
+@pytest.mark.parametrize("kind, verify", [("fsdp", True), ("ddp", True), ("ddp", False)])
+def test_two_nodes_restore_the_newest_generation_from_memory(tmp_path, kind: str, verify: bool) -> None:
+    """DDP: DCP wrote each replicated tensor once, into one rank's file, so each node also
+    loads from the other's shard (fetched while DCP loads, with digests on or off)."""
     root, shm_dir, trained = train(tmp_path, kind)
     for rank, other in ((0, 1), (1, 0)):  # each node holds its own files and the other's replica
         replica = replica_of(trained[rank]["memory_root"], NEWEST)
@@ -52,11 +54,13 @@ def test_two_nodes_restore_the_newest_generation_from_memory(tmp_path, kind: str
         assert {f["rank"] for f in manifest["files"]} == {0, 1}
         held = {f["path"] for f in manifest["files"] if os.path.exists(os.path.join(replica, f["path"]))}
         assert held == {f["path"] for f in manifest["files"] if f["rank"] == other}
-    ranks = run_ranks(2, memory_jobs.node_restore, root, shm_dir, RUN, kind, timeout_s=180)
+    ranks = run_ranks(2, memory_jobs.node_restore, root, shm_dir, RUN, kind, verify, timeout_s=180)
     assert [(r["generation"], r["tier"], r["rejected"]) for r in ranks] == [(NEWEST, "memory", [])] * 2
     assert equal(ranks[0]["full"], trained[0]["full"])
     # node 1 lacked the generation's common files (rank 0 wrote them): fetched from node 0
     assert ranks[1]["fetched"] >= 2
+    if kind == "ddp":  # and node 0 read the parameters DCP wrote into rank 1's shard
+        assert ranks[0]["fetched"] >= 1
 
 
 def test_a_node_that_lost_its_memory_is_rebuilt_from_its_replica(tmp_path) -> None:
@@ -79,7 +83,9 @@ def test_a_damaged_replica_is_rejected_and_the_root_used(tmp_path) -> None:
         handle.write(bytes([byte[0] ^ 0x01]))
     ranks = run_ranks(2, memory_jobs.node_restore, root, shm_dir, RUN, timeout_s=180)
     assert [(r["generation"], r["tier"]) for r in ranks] == [(PERSISTED, "local")] * 2
-    assert any(NEWEST in why and "__1_0.distcp" in why for why in ranks[0]["rejected"]), ranks[0]
+    # refused before it reached node 1's copy: the damaged bytes were never installed
+    assert any("__1_0.distcp" in why and "fails its digest" in why for why in ranks[0]["repair_failures"])
+    assert any(NEWEST in why for why in ranks[0]["rejected"]), ranks[0]
 
 
 def test_without_replicas_a_lost_node_restores_from_the_root(tmp_path) -> None:

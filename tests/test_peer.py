@@ -66,7 +66,7 @@ def test_pushes_create_new_files_in_the_writable_root_only(server) -> None:
     assert push(address, TOKEN, "replica", ".pending-gen-000000000002-ab/dcp/__1_0.distcp", str(source)) == 13
     pushed = tmp_path / "replica" / ".pending-gen-000000000002-ab" / "dcp" / "__1_0.distcp"
     assert pushed.read_bytes() == b"replica bytes"
-    with pytest.raises(PeerError, match="File exists"):  # never over an existing name
+    with pytest.raises(PeerError, match="__1_0.distcp exists"):  # never over an existing name
         push(address, TOKEN, "replica", ".pending-gen-000000000002-ab/dcp/__1_0.distcp", str(source))
     with pytest.raises(PeerError, match="not writable"):
         push(address, TOKEN, "memory", "gen-000000000001/dcp/__9_0.distcp", str(source))

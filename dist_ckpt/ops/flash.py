@@ -23,6 +23,7 @@ Call order:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -115,12 +116,15 @@ class FlashTier:
                                   key=self.config.signing_key).state == "committed"
 
     def prune_memory(self) -> None:
+        """Janitor thread (leaders) and rank 0's persistence thread: never while this node's
+        generation is being sent to its ring successor (the ring's lock)."""
         pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
-        try:
-            retention.prune(self.tier, keep_last=MEMORY_KEEP, pinned=pinned | self._forced,
-                            key=self.config.signing_key)
-        except Exception:  # noqa: BLE001 - retention must never break training
-            log.exception("memory tier retention pass failed")
+        with self.ring.push_lock if self.ring is not None else contextlib.nullcontext():
+            try:
+                retention.prune(self.tier, keep_last=MEMORY_KEEP, pinned=pinned | self._forced,
+                                key=self.config.signing_key)
+            except Exception:  # noqa: BLE001 - retention must never break training
+                log.exception("memory tier retention pass failed")
 
     def prune_root(self) -> None:
         retention.prune(self.root, keep_last=self.config.keep_last,

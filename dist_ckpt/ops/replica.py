@@ -37,7 +37,7 @@ import threading
 import uuid
 
 from .. import logs
-from ..errors import DistCkptError
+from ..errors import ConfigError, DistCkptError
 from ..format.manifest import (
     GLOBAL_STATE_FILE,
     MANIFEST_NAME,
@@ -50,7 +50,7 @@ from ..format.manifest import (
 from ..format.signing import SIGNATURE_NAME
 from ..protocol.comm import Comm
 from ..protocol.peer import PeerError, PeerFiles, fetch, push
-from ..storage.local import fsync_dir, write_durable
+from ..storage.local import file_digest, fsync_dir, write_durable
 from ..tiers.base import PENDING_PREFIX, pending_dir_name
 from ..tiers.memory import MemoryTier
 
@@ -61,13 +61,21 @@ HELD = 2  # newest generations per root a leader reports at restore
 CLOSE_WAIT_S = 30.0  # how long a closing leader keeps serving its predecessor's last push
 
 
-def peer_host(comm: Comm) -> str:
-    """The address this node's server listens on: ``DIST_CKPT_PEER_HOST``, else loopback when
-    every rank runs on this host, else the address this host's name resolves to."""
-    hosts = comm.all_gather(socket.gethostname())
+def peer_host(one_host: bool) -> str:
+    """The address this node's server listens on: ``DIST_CKPT_PEER_HOST``; else loopback when
+    every rank runs on this host; else the local address of the route to ``MASTER_ADDR`` (a
+    name's own address is often a loopback alias, 127.0.1.1, that other nodes cannot reach)."""
     if os.environ.get(PEER_HOST_ENV):
         return os.environ[PEER_HOST_ENV]
-    return "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
+    if one_host:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((os.environ.get("MASTER_ADDR") or socket.gethostname(), 1))  # sends nothing
+        address = probe.getsockname()[0]
+    if address.startswith("127."):
+        raise ConfigError(f"the memory tier's peer address on {socket.gethostname()} is {address}, "
+                          f"which other nodes cannot reach: set {PEER_HOST_ENV}")
+    return address
 
 
 class NodeRing:
@@ -82,21 +90,30 @@ class NodeRing:
         self.replicating = replicate and self.nodes > 1
         self.server: PeerFiles | None = None
         self.token = comm.broadcast(secrets.token_hex(16) if comm.rank == 0 else None)
-        address = None
+        one_host = len(set(comm.all_gather(socket.gethostname()))) == 1
+        started: tuple[str, int] | str | None = None
         if self.nodes > 1 and self.is_leader:
-            os.makedirs(self.replica_root, exist_ok=True)
-            self.server = PeerFiles({"memory": tier.root, "replica": self.replica_root}, self.token,
-                                    peer_host(comm), writable=frozenset({"replica"}))
-            address = self.server.start()
-        elif self.nodes > 1:
-            peer_host(comm)  # the same collective as the leaders'
-        self.addresses = {r: a for r, a in enumerate(comm.all_gather(address)) if a is not None}
+            try:  # every rank reaches the all-gather below, whatever fails here
+                os.makedirs(self.replica_root, exist_ok=True)
+                self.server = PeerFiles({"memory": tier.root, "replica": self.replica_root},
+                                        self.token, peer_host(one_host), writable=frozenset({"replica"}))
+                started = self.server.start()
+            except (OSError, ConfigError) as exc:
+                started = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+        gathered = comm.all_gather(started)
+        failed = [g for g in gathered if isinstance(g, str)]
+        if failed:
+            if self.server is not None:
+                self.server.close()
+            raise ConfigError(f"memory tier peer servers did not start: {'; '.join(failed)}")
+        self.addresses = {r: tuple(a) for r, a in enumerate(gathered) if a is not None}
         position = self.leaders.index(comm.fs_leader)
         self.successor = self.leaders[(position + 1) % self.nodes]  # holds this node's replica
         self.predecessor = self.leaders[position - 1]  # whose replica this node holds
         self._pushed: str | None = None
         self.fetched = 0  # files this rank fetched from peers for a restore (logs, tests)
-        self._push_lock = threading.Lock()
+        self.repair_failures: list[str] = []  # why a node's copy could not be completed
+        self.push_lock = threading.Lock()
         self.fetched_dir = tier.root.rstrip("/") + ".fetched"  # shards of other nodes, per load
 
     # ---- replication (leaders, the manager's janitor thread) -------------------------------
@@ -107,7 +124,7 @@ class NodeRing:
         skipped (only the newest is kept)."""
         if not self.replicating or not self.is_leader:
             return
-        with self._push_lock:  # the janitor's pass and close's last one
+        with self.push_lock:  # the janitor's pass and close's last one
             self._push_newest()
 
     def _push_newest(self) -> None:
@@ -132,29 +149,35 @@ class NodeRing:
             log.warning("no replica of %s on the node of rank %d: %s", newest, self.successor, exc)
 
     def settle_replicas(self) -> None:
-        """Leaders, janitor thread: received replicas whose manifest arrived are renamed to
-        their generation's name; only the newest complete one is kept (and newer partial ones,
-        still arriving)."""
+        """Leaders, janitor thread: the newest complete replica (its manifest arrived, last)
+        is renamed to its generation's name; everything else goes but the newest pushed one
+        still arriving (a failed push is retried under a new name: none pile up in RAM)."""
         if not self.is_leader or self.nodes == 1:
             return
         complete = _received(self.replica_root)
-        if not complete:
-            return
-        newest, directory = complete[0]
-        final = os.path.join(self.replica_root, newest)
-        if directory != newest:
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(os.path.join(self.replica_root, directory), final)
-        floor = parse_generation(newest) or 0
+        keep: set[str] = set()
+        floor = -1
+        if complete:
+            newest, directory = complete[0]
+            final = os.path.join(self.replica_root, newest)
+            if directory != newest:
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(os.path.join(self.replica_root, directory), final)
+            keep.add(newest)
+            floor = _number(newest)
+        arriving = [(_generation_of(n), _mtime(os.path.join(self.replica_root, n)), n)
+                    for n in _listdir(self.replica_root) if n.startswith(PENDING_PREFIX)]
+        arriving = [a for a in arriving if a[0] is not None and a[0] > floor]
+        if arriving:
+            keep.add(max(arriving)[2])
         for name in _listdir(self.replica_root):
-            number = _generation_of(name)
-            if name != newest and number is not None and number <= floor:
+            if name not in keep and _generation_of(name) is not None:
                 shutil.rmtree(os.path.join(self.replica_root, name), ignore_errors=True)
 
     def drop_newer_replicas(self, generation: str | None) -> None:
         """Leaders after restore: replicas newer than the generation resumed from belong to a
         timeline the job will overwrite."""
-        floor = -1 if generation is None else (parse_generation(generation) or -1)
+        floor = -1 if generation is None else _number(generation)
         for name in _listdir(self.replica_root):
             number = _generation_of(name)
             if number is not None and number > floor:
@@ -198,6 +221,7 @@ class NodeRing:
         if self.is_leader and fetches.get(self.comm.rank):
             outcome = self._apply(generation, manifest_raw, fetches[self.comm.rank])
         outcomes = [o for o in self.comm.all_gather(outcome) if o]
+        self.repair_failures = outcomes
         if self.comm.rank == 0:
             fetched = sum(len(f) for f in fetches.values())
             log.info("memory tier: %s completed on %d node(s) from peers (%d file(s))%s", generation,
@@ -218,7 +242,7 @@ class NodeRing:
             except Exception:  # noqa: BLE001 - a damaged copy: the next generation
                 continue
             if manifest.world_size != self.comm.world_size:
-                return None  # selection rejects it with its reason; the root is used
+                continue  # selection rejects it with its reason
             sources = [(rank, f"{root}/{directory}", set(files))
                        for rank, root, (raw, files, directory) in copies if raw == manifest_raw]
             fetches: dict[int, list[tuple[str, int, str]]] = {}
@@ -226,7 +250,10 @@ class NodeRing:
             for leader in self.leaders:
                 ranks = {r for r, lead in enumerate(self.leader_of) if lead == leader}
                 mine = held.get(leader, {}).get("memory", {}).get(name)
-                have = set(mine[1]) if mine is not None and mine[0] == manifest_raw else set()
+                if mine is not None and mine[0] != manifest_raw:
+                    complete = False  # another timeline's copy of that name: never mixed
+                    break
+                have = set(mine[1]) if mine is not None else set()
                 needed = {f.path for f in manifest.files if f.rank in ranks or f.path in COMMON}
                 if 0 in ranks and any(SIGNATURE_NAME in files for _, _, files in sources):
                     needed.add(SIGNATURE_NAME)
@@ -251,14 +278,24 @@ class NodeRing:
         target = final if exists else os.path.join(
             self.tier.root, pending_dir_name(generation, uuid.uuid4().hex[:8]))
         manifest = Manifest.from_bytes(manifest_raw.encode(), generation=generation)
-        sizes = {f.path: f.size for f in manifest.files}
+        entries = {f.path: f for f in manifest.files}
         try:
+            if exists:
+                with open(os.path.join(final, MANIFEST_NAME), encoding="utf-8") as handle:
+                    if handle.read() != manifest_raw:
+                        raise PeerError(f"{generation} here has another manifest: left as it is")
             for path, source, where in fetches:
                 temporary = os.path.join(target, path + f".fetch-{uuid.uuid4().hex[:8]}")
                 root, _, directory = where.partition("/")
+                entry = entries.get(path)
                 fetch(self.addresses[source], self.token, root, f"{directory}/{path}", temporary,
-                      max_bytes=sizes.get(path, 1 << 20))
-                os.rename(temporary, os.path.join(target, path))  # a name the copy lacked
+                      max_bytes=entry.size if entry else 1 << 20, exact=entry is not None)
+                try:
+                    if entry is not None and file_digest(temporary, entry.algorithm)[1] != entry.digest:
+                        raise PeerError(f"{path} from the node of rank {source} fails its digest")
+                    os.link(temporary, os.path.join(target, path))  # never over an existing file
+                finally:
+                    os.unlink(temporary)
                 self.fetched += 1
             if not exists:
                 write_durable(os.path.join(target, MANIFEST_NAME), manifest_raw.encode())
@@ -309,6 +346,18 @@ class NodeRing:
         if self.server is not None:
             self.server.close()
         self.after_restore()
+
+
+def _number(generation: str) -> int:
+    number = parse_generation(generation)
+    return -1 if number is None else number
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _generation_of(name: str) -> int | None:

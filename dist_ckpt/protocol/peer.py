@@ -24,6 +24,7 @@ import os
 import socket
 import struct
 import threading
+import uuid
 from typing import BinaryIO
 
 from .. import logs
@@ -112,20 +113,29 @@ class PeerFiles:
         if not isinstance(size, int) or not 0 <= size <= self.max_put_bytes:
             raise PeerError(f"bad size {size!r}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "xb") as out:
-            received = 0
-            while received < size:
-                chunk = stream.read1(min(CHUNK, size - received))  # type: ignore[attr-defined]
-                if not chunk:
-                    raise PeerError(f"connection closed after {received} of {size} bytes")
-                out.write(chunk)
-                received += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+        if os.path.lexists(path):
+            raise PeerError(f"{request.get('path')} exists")
+        # a temporary name until every byte is in: a reader never sees a partial file under
+        # the final name (a replica's manifest arriving last is its commit point)
+        partial = f"{path}.part-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(partial, "xb") as out:
+                received = 0
+                while received < size:
+                    chunk = stream.read1(min(CHUNK, size - received))  # type: ignore[attr-defined]
+                    if not chunk:
+                        raise PeerError(f"connection closed after {received} of {size} bytes")
+                    out.write(chunk)
+                    received += len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            os.link(partial, path)  # never replaces an existing name
+        finally:
+            os.unlink(partial)
         conn.sendall(_LENGTH.pack(0))
 
     def _resolve(self, request: dict) -> str:
-        if not hmac.compare_digest(str(request.get("token", "")), self.token):
+        if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token.encode()):
             raise PeerError("bad token")
         root = self.roots.get(str(request.get("root")))
         if root is None:
@@ -161,10 +171,12 @@ def _exactly(conn: socket.socket, count: int) -> bytes:
 
 
 def fetch(address: tuple[str, int], token: str, root: str, path: str, target: str, *,
-          max_bytes: int, timeout_s: float = 120.0) -> int:
+          max_bytes: int, exact: bool = False, timeout_s: float = 120.0) -> int:
     """Copy ``root``/``path`` from the peer at ``address`` into the new file ``target``
-    (written and fsynced; removed on failure). Returns its size; raises ``PeerError``."""
+    (written and fsynced; removed on failure). ``exact``: it must be ``max_bytes`` long.
+    Returns its size; raises ``PeerError``."""
     request = json.dumps({"token": token, "root": root, "path": path}).encode() + b"\n"
+    created = False
     try:
         with socket.create_connection(address, timeout=timeout_s) as conn:
             conn.sendall(request)
@@ -173,11 +185,12 @@ def fetch(address: tuple[str, int], token: str, root: str, path: str, target: st
                 (length,) = struct.unpack("!I", _exactly(conn, 4))
                 raise PeerError(f"{address[0]}:{address[1]} did not serve {root}/{path}: "
                                 f"{_exactly(conn, min(length, 1024)).decode(errors='replace')}")
-            if size > max_bytes:
+            if size > max_bytes or (exact and size != max_bytes):
                 raise PeerError(f"{root}/{path} at {address[0]}:{address[1]} is {size} bytes, "
-                                f"more than the {max_bytes} expected")
+                                f"{'not' if exact else 'more than'} the {max_bytes} expected")
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "xb") as out:
+                created = True
                 received = 0
                 while received < size:
                     chunk = conn.recv(min(CHUNK, size - received))
@@ -189,10 +202,8 @@ def fetch(address: tuple[str, int], token: str, root: str, path: str, target: st
                 os.fsync(out.fileno())
             return size
     except (OSError, PeerError) as exc:
-        try:
+        if created:
             os.unlink(target)
-        except FileNotFoundError:
-            pass
         if isinstance(exc, PeerError):
             raise
         raise PeerError(f"cannot fetch {root}/{path} from {address[0]}:{address[1]}: {exc}") from exc

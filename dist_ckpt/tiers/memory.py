@@ -33,6 +33,8 @@ log = logs.get(__name__)
 
 
 class PeerSource(Protocol):
+    nodes: int
+
     def fetch_for_load(self, generation: str, manifest: Manifest, path: str) -> str | None: ...
 
 
@@ -58,7 +60,8 @@ class MemoryTier(RenameTier):
     def drop_newer(self, generation: str | None) -> list[str]:
         """A filesystem leader after restore: delete in-memory generations newer than the one
         the job resumed from (a rejected or other-world-size timeline the job will overwrite)."""
-        floor = -1 if generation is None else (parse_generation(generation) or -1)
+        number = None if generation is None else parse_generation(generation)
+        floor = -1 if number is None else number
         dropped = []
         for name in os.listdir(self.root):
             number = parse_generation(name)
@@ -77,6 +80,8 @@ class _NodeFilesReader(LocalFilesReader):
         super().__init__(tier.store, generation, manifest,
                          os.path.join(tier.root, generation, manifest.location(DCP_DIR)))
         self.peers = tier.peers
+        # a file may come from another node: only the one-pass reader's local_copy fetches it
+        self.needs_local_copy = self.peers is not None and self.peers.nodes > 1
 
     def local_copy(self, rel: str) -> tuple[str, bool]:
         path, checked = super().local_copy(rel)

@@ -60,11 +60,12 @@ def node_train(rank: int, world: int, root: str, shm_dir: str, run_id: str, step
 
 
 def node_restore(rank: int, world: int, root: str, shm_dir: str, run_id: str,
-                 kind: str = "fsdp") -> dict:
+                 kind: str = "fsdp", verify_digests: bool = True) -> dict:
     _env(node_dir(shm_dir, rank), run_id)
     job = build(kind, rank, world, seed=99)
     with manager(job, root, memory_tier=True) as mgr:
-        result = mgr.restore()
-        fetched = mgr.flash.ring.fetched
+        result = mgr.restore(verify_digests=verify_digests)
+        fetched, repair_failures = mgr.flash.ring.fetched, mgr.flash.ring.repair_failures
     return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
-            "rejected": [str(p) for p in result.rejected], "fetched": fetched}
+            "rejected": [str(p) for p in result.rejected], "fetched": fetched,
+            "repair_failures": repair_failures}
