@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import uuid
+from collections.abc import Callable
 from typing import BinaryIO
 
 from .. import logs
@@ -120,15 +121,7 @@ class PeerFiles:
         partial = f"{path}.part-{uuid.uuid4().hex[:8]}"
         try:
             with open(partial, "xb") as out:
-                received = 0
-                while received < size:
-                    chunk = stream.read1(min(CHUNK, size - received))  # type: ignore[attr-defined]
-                    if not chunk:
-                        raise PeerError(f"connection closed after {received} of {size} bytes")
-                    out.write(chunk)
-                    received += len(chunk)
-                out.flush()
-                os.fsync(out.fileno())
+                _receive_into(out, stream.read1, size, str(request.get("path")))  # type: ignore[attr-defined]
             os.link(partial, path)  # never replaces an existing name
         finally:
             os.unlink(partial)
@@ -158,6 +151,19 @@ def _read_request(stream: BinaryIO) -> dict:
     if not isinstance(request, dict):
         raise PeerError("bad request")
     return request
+
+
+def _receive_into(out: BinaryIO, read: Callable[[int], bytes], size: int, what: str) -> None:
+    """``size`` bytes from ``read`` into ``out``, then fsynced."""
+    received = 0
+    while received < size:
+        chunk = read(min(CHUNK, size - received))
+        if not chunk:
+            raise PeerError(f"{what}: connection closed after {received} of {size} bytes")
+        out.write(chunk)
+        received += len(chunk)
+    out.flush()
+    os.fsync(out.fileno())
 
 
 def _exactly(conn: socket.socket, count: int) -> bytes:
@@ -191,15 +197,7 @@ def fetch(address: tuple[str, int], token: str, root: str, path: str, target: st
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "xb") as out:
                 created = True
-                received = 0
-                while received < size:
-                    chunk = conn.recv(min(CHUNK, size - received))
-                    if not chunk:
-                        raise PeerError(f"{root}/{path}: connection closed after {received} of {size} bytes")
-                    out.write(chunk)
-                    received += len(chunk)
-                out.flush()
-                os.fsync(out.fileno())
+                _receive_into(out, conn.recv, size, f"{root}/{path}")
             return size
     except (OSError, PeerError) as exc:
         if created:
