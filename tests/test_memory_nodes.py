@@ -27,9 +27,11 @@ def equal(a: dict, b: dict) -> bool:
 
 
 def train(tmp_path, kind: str = "fsdp", replica: bool = True) -> tuple[str, str, list[dict]]:
-    """5 updates, a save to memory after each, every 2nd persisted: the root lacks the newest."""
+    """5 updates, a save to memory after each, every 2nd persisted: the root lacks the newest.
+    Items over 1 KiB count as large here, so that each rank has a tensor file and a small one."""
     root, shm_dir = str(tmp_path / "root"), str(tmp_path / "shm")
-    ranks = run_ranks(2, memory_jobs.node_train, root, shm_dir, RUN, 5, 2, kind, replica, timeout_s=180)
+    ranks = run_ranks(2, memory_jobs.node_train, root, shm_dir, RUN, 5, 2, kind, replica, 1024,
+                      timeout_s=180)
     return root, shm_dir, ranks
 
 
@@ -61,6 +63,11 @@ def test_two_nodes_restore_the_newest_generation_from_memory(tmp_path, kind: str
     assert ranks[1]["fetched"] >= 2
     if kind == "ddp":  # and node 0 read the parameters DCP wrote into rank 1's shard
         assert ranks[0]["fetched"] >= 1
+    else:  # FSDP: only replicated step counts live in the other rank's files: its small file
+        shards = sorted(f["path"] for f in manifest["files"] if f["path"].endswith(".distcp"))
+        assert shards == [f"dcp/__{r}_{i}.distcp" for r in (0, 1) for i in (0, 1)]  # tensors, small
+        fetched = [path for r in ranks for path in r["load_files"]]
+        assert fetched and all(path.endswith("_1.distcp") for path in fetched), fetched
 
 
 def test_a_node_that_lost_its_memory_is_rebuilt_from_its_replica(tmp_path) -> None:

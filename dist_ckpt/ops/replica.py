@@ -113,6 +113,7 @@ class NodeRing:
         self._pushed: str | None = None
         self.fetched = 0  # files this rank fetched from peers for a restore (logs, tests)
         self.repair_failures: list[str] = []  # why a node's copy could not be completed
+        self.fetched_for_load: list[str] = []  # other nodes' shard files this rank's loads read
         self.push_lock = threading.Lock()
         self.fetched_dir = tier.root.rstrip("/") + ".fetched"  # shards of other nodes, per load
 
@@ -324,6 +325,7 @@ class NodeRing:
                   max_bytes=entry.size)
             os.replace(temporary, target)
             self.fetched += 1
+            self.fetched_for_load.append(path)
         except PeerError as exc:
             log.warning("%s", exc)
             return None

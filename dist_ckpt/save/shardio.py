@@ -14,12 +14,22 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import threading
 from collections.abc import Generator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemWriter,
+    _item_size,
+    _split_by_size_and_type,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.serialization import config as serialization_config
 
 from .. import faults
@@ -28,6 +38,9 @@ from ..digests import DEFAULT_ALGORITHM, hasher
 _crc_lock = threading.Lock()
 _crc_off_writers = 0
 _crc_saved: bool | None = None
+
+
+SMALL_ITEM_BYTES = 64 << 10  # SmallItemsApartWriter: what goes to a rank's small-items file
 
 
 @contextmanager
@@ -144,12 +157,32 @@ class HashingFileSystem(FileSystem):
             self.digests[os.path.basename(os.fspath(path))] = (stream.size, stream.hexdigest())
 
 
+class SmallItemsApartWriter(FileSystemWriter):
+    """DCP's file writer, with a rank's small items (non-tensor objects, tensors up to
+    ``SMALL_ITEM_BYTES``) in a file of their own, after its tensor files. DCP saves a
+    replicated tensor (an optimizer step count) once, in one rank's file: another node that
+    loads it then fetches that small file, not the rank's whole shard (``ops/replica.py``)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        small = [item for item in plan.items if item.type == WriteItemType.BYTE_IO
+                 or _item_size(item) <= SMALL_ITEM_BYTES]
+        large = [item for item in plan.items if item.type != WriteItemType.BYTE_IO
+                 and _item_size(item) > SMALL_ITEM_BYTES]
+        buckets = [b for b in _split_by_size_and_type(self.thread_count, large) if b]
+        files: queue.Queue = queue.Queue()
+        for index, bucket in enumerate([*buckets, small] if small else buckets):
+            name = f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}"
+            files.put((self.fs.concat_path(self.path, name), name, bucket))
+        return self._write_data(planner, files)
+
+
 def hashing_writer(path: str, *, thread_count: int, cancel: threading.Event | None = None,
-                   rank: int | None = None, algorithm: str = DEFAULT_ALGORITHM
-                   ) -> tuple[FileSystemWriter, HashingFileSystem]:
+                   rank: int | None = None, algorithm: str = DEFAULT_ALGORITHM,
+                   small_items_apart: bool = False) -> tuple[FileSystemWriter, HashingFileSystem]:
     # sync_files=False: the stream fsyncs once, after the last byte is flushed
-    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=False,
-                              thread_count=thread_count, overwrite=True)
+    kind = SmallItemsApartWriter if small_items_apart else FileSystemWriter
+    writer = kind(path, single_file_per_rank=True, sync_files=False,
+                  thread_count=thread_count, overwrite=True)
     filesystem = HashingFileSystem(cancel, rank, algorithm)
     writer.fs = filesystem
     return writer, filesystem

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from dist_ckpt import runinfo, shm
+from dist_ckpt.save import shardio
 from tests.helpers.workers import build, full_state, manager, train_step
 
 
@@ -46,9 +47,14 @@ def node_dir(shm_dir: str, rank: int) -> str:
 
 
 def node_train(rank: int, world: int, root: str, shm_dir: str, run_id: str, steps: int,
-               persist_every: int, kind: str = "fsdp", replica: bool = True) -> dict:
-    """Save to each node's memory after every update; the replica roots at the end."""
+               persist_every: int, kind: str = "fsdp", replica: bool = True,
+               small_item_bytes: int | None = None) -> dict:
+    """Save to each node's memory after every update; the replica roots at the end.
+    ``small_item_bytes``: the bound of a rank's small-items file (this model's tensors are
+    all under the default)."""
     _env(node_dir(shm_dir, rank), run_id)
+    if small_item_bytes is not None:
+        shardio.SMALL_ITEM_BYTES = small_item_bytes
     job = build(kind, rank, world)
     with manager(job, root, memory_tier=True, persist_every=persist_every,
                  memory_replica=replica) as mgr:
@@ -65,7 +71,7 @@ def node_restore(rank: int, world: int, root: str, shm_dir: str, run_id: str,
     job = build(kind, rank, world, seed=99)
     with manager(job, root, memory_tier=True) as mgr:
         result = mgr.restore(verify_digests=verify_digests)
-        fetched, repair_failures = mgr.flash.ring.fetched, mgr.flash.ring.repair_failures
+        ring = mgr.flash.ring
     return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
-            "rejected": [str(p) for p in result.rejected], "fetched": fetched,
-            "repair_failures": repair_failures}
+            "rejected": [str(p) for p in result.rejected], "fetched": ring.fetched,
+            "repair_failures": ring.repair_failures, "load_files": ring.fetched_for_load}
