@@ -21,13 +21,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
-    FileSystem,
-    FileSystemWriter,
-    _item_size,
-    _split_by_size_and_type,
-)
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.serialization import config as serialization_config
@@ -39,6 +33,11 @@ _crc_lock = threading.Lock()
 _crc_off_writers = 0
 _crc_saved: bool | None = None
 
+
+try:  # private helpers of torch's writer; without them the writer keeps DCP's own layout
+    from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_and_type
+except ImportError:  # pragma: no cover - another torch release
+    _item_size = _split_by_size_and_type = None  # type: ignore[assignment]
 
 SMALL_ITEM_BYTES = 64 << 10  # SmallItemsApartWriter: what goes to a rank's small-items file
 
@@ -164,6 +163,8 @@ class SmallItemsApartWriter(FileSystemWriter):
     loads it then fetches that small file, not the rank's whole shard (``ops/replica.py``)."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if _split_by_size_and_type is None or not hasattr(self, "_write_data"):
+            return super().write_data(plan, planner)
         small = [item for item in plan.items if item.type == WriteItemType.BYTE_IO
                  or _item_size(item) <= SMALL_ITEM_BYTES]
         large = [item for item in plan.items if item.type != WriteItemType.BYTE_IO
