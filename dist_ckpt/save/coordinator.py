@@ -102,7 +102,7 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
     algorithm = request.digest_algorithm
     writer, filesystem = hashing_writer(
         dcp_dir, thread_count=io_threads, cancel=cancel, rank=rank, algorithm=algorithm,
-        small_items_apart=getattr(getattr(request.attempt, "tier", None), "small_items_apart", False))
+        small_items_apart=request.attempt.small_items_apart)
     try:
         with without_zip_crc32():  # the file digest covers every byte already
             results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()

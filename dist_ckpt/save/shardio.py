@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.serialization import config as serialization_config
 
@@ -165,10 +165,11 @@ class SmallItemsApartWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if _split_by_size_and_type is None or not hasattr(self, "_write_data"):
             return super().write_data(plan, planner)
-        small = [item for item in plan.items if item.type == WriteItemType.BYTE_IO
-                 or _item_size(item) <= SMALL_ITEM_BYTES]
-        large = [item for item in plan.items if item.type != WriteItemType.BYTE_IO
-                 and _item_size(item) > SMALL_ITEM_BYTES]
+        small: list[WriteItem] = []
+        large: list[WriteItem] = []
+        for item in plan.items:
+            is_small = item.type == WriteItemType.BYTE_IO or _item_size(item) <= SMALL_ITEM_BYTES
+            (small if is_small else large).append(item)
         buckets = [b for b in _split_by_size_and_type(self.thread_count, large) if b]
         files: queue.Queue = queue.Queue()
         for index, bucket in enumerate([*buckets, small] if small else buckets):

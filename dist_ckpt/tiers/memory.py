@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from typing import Protocol
 
 from .. import logs, shm
@@ -61,15 +62,7 @@ class MemoryTier(RenameTier):
     def drop_newer(self, generation: str | None) -> list[str]:
         """A filesystem leader after restore: delete in-memory generations newer than the one
         the job resumed from (a rejected or other-world-size timeline the job will overwrite)."""
-        number = None if generation is None else parse_generation(generation)
-        floor = -1 if number is None else number
-        dropped = []
-        for name in os.listdir(self.root):
-            number = parse_generation(name)
-            if number is not None and number > floor:
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-                dropped.append(name)
-        return dropped
+        return remove_newer(self.root, generation)
 
 
 class _NodeFilesReader(LocalFilesReader):
@@ -91,6 +84,26 @@ class _NodeFilesReader(LocalFilesReader):
             if fetched is not None:
                 return fetched, False
         return path, checked
+
+
+def remove_newer(root: str, generation: str | None,
+                 number_of: Callable[[str], int | None] = parse_generation) -> list[str]:
+    """Delete the entries of ``root`` whose generation number (``number_of`` their name) is
+    above ``generation``'s (all of them when None); returns their names. A missing ``root``
+    holds none."""
+    resumed = None if generation is None else parse_generation(generation)
+    floor = -1 if resumed is None else resumed
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    dropped = []
+    for name in names:
+        number = number_of(name)
+        if number is not None and number > floor:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            dropped.append(name)
+    return dropped
 
 
 def memory_root(root: str, run_id: str | None) -> str:
