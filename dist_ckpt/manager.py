@@ -451,8 +451,8 @@ class CheckpointManager:
             self._rehearsal = rehearsal.rehearse(self, None if target == "newest" else target, None)
             return RestoreResult(next_update=self._rehearsal.next_update,
                                  generation=self._rehearsal.generation)
-        if self.flash is not None and self.flash.ring is not None:
-            self.flash.ring.repair()  # complete each node's memory copy from its peers
+        if self.flash is not None:
+            self.flash.before_restore()
         result = resume(self, components, allow_contract_change, verify_digests)
         if self.flash is not None:
             self.flash.after_restore(self.comm, result)

@@ -28,6 +28,7 @@ DCP_DIR = "dcp"
 STATE_DIR = "state"
 GLOBAL_STATE_FILE = f"{STATE_DIR}/train_state.json"
 METADATA_FILE = f"{DCP_DIR}/.metadata"  # DCP's pickled metadata, written by rank 0
+COMMON_FILES = frozenset({METADATA_FILE, GLOBAL_STATE_FILE})  # rank 0 writes them, every rank reads them
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILES = 1_000_000
 MAX_POINTER_BYTES = 64 << 10  # latest.json is about 200 bytes

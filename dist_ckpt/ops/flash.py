@@ -17,6 +17,7 @@ Call order:
   rank 0's after each persistence settles: keep the newest committed in-memory generation,
   plus those being persisted (the one being written is a pending directory, never pruned);
 - ``prune_root``: rank 0's replay thread after each completed persistence (``keep_last``);
+- ``before_restore``: every rank at the start of ``restore()`` (collective; ``ops/replica.py``);
 - ``after_restore``: every rank after ``restore()``; the filesystem leaders drop in-memory
   generations newer than the one resumed from (rejected, or saved by another world size).
 """
@@ -144,6 +145,12 @@ class FlashTier:
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close()
+
+    def before_restore(self) -> None:
+        """Every rank (collective), before selection: each node's memory copy completed from
+        its peers (more than one node)."""
+        if self.ring is not None:
+            self.ring.repair()
 
     def after_restore(self, comm: Comm, result: RestoreResult) -> None:
         if self.ring is not None:

@@ -37,26 +37,25 @@ import threading
 import uuid
 
 from .. import logs
-from ..errors import ConfigError, DistCkptError
+from ..errors import ConfigError, DistCkptError, ValidationError
 from ..format.manifest import (
-    GLOBAL_STATE_FILE,
+    COMMON_FILES,
     MANIFEST_NAME,
-    METADATA_FILE,
     Manifest,
     check_generation_name,
     generation_name,
     parse_generation,
 )
 from ..format.signing import SIGNATURE_NAME
+from ..format.validate import check_entry, list_generations
 from ..protocol.comm import Comm
 from ..protocol.peer import PeerError, PeerFiles, fetch, push
 from ..storage.local import file_digest, fsync_dir, write_durable
 from ..tiers.base import PENDING_PREFIX, pending_dir_name
-from ..tiers.memory import MemoryTier
+from ..tiers.memory import MemoryTier, remove_newer
 
 log = logs.get(__name__)
 PEER_HOST_ENV = "DIST_CKPT_PEER_HOST"
-COMMON = (METADATA_FILE, GLOBAL_STATE_FILE)
 HELD = 2  # newest generations per root a leader reports at restore
 CLOSE_WAIT_S = 30.0  # how long a closing leader keeps serving its predecessor's last push
 
@@ -89,13 +88,31 @@ class NodeRing:
         self.nodes = len(self.leaders)
         self.replicating = replicate and self.nodes > 1
         self.server: PeerFiles | None = None
+        self.token = ""
+        self.addresses: dict[int, tuple[str, int]] = {}
+        if self.nodes > 1:  # the same on every rank: one node needs no server, no collective
+            self._start_servers()
+        position = self.leaders.index(comm.fs_leader)
+        self.successor = self.leaders[(position + 1) % self.nodes]  # holds this node's replica
+        self.predecessor = self.leaders[position - 1]  # whose replica this node holds
+        self._pushed: str | None = None
+        self.fetched = 0  # files this rank fetched from peers for a restore (logs, tests)
+        self.repair_failures: list[str] = []  # why a node's copy could not be completed
+        self.fetched_for_load: list[str] = []  # other nodes' shard files this rank's loads read
+        self.push_lock = threading.Lock()
+        self.fetched_dir = tier.root.rstrip("/") + ".fetched"  # shards of other nodes, per load
+
+    def _start_servers(self) -> None:
+        """All ranks (collective): rank 0 draws the token; each leader starts its server; the
+        addresses are all-gathered, and a server that failed to start fails every rank."""
+        comm = self.comm
         self.token = comm.broadcast(secrets.token_hex(16) if comm.rank == 0 else None)
         one_host = len(set(comm.all_gather(socket.gethostname()))) == 1
         started: tuple[str, int] | str | None = None
-        if self.nodes > 1 and self.is_leader:
+        if self.is_leader:
             try:  # every rank reaches the all-gather below, whatever fails here
                 os.makedirs(self.replica_root, exist_ok=True)
-                self.server = PeerFiles({"memory": tier.root, "replica": self.replica_root},
+                self.server = PeerFiles({"memory": self.tier.root, "replica": self.replica_root},
                                         self.token, peer_host(one_host), writable=frozenset({"replica"}))
                 started = self.server.start()
             except (OSError, ConfigError) as exc:
@@ -107,15 +124,15 @@ class NodeRing:
                 self.server.close()
             raise ConfigError(f"memory tier peer servers did not start: {'; '.join(failed)}")
         self.addresses = {r: tuple(a) for r, a in enumerate(gathered) if a is not None}
-        position = self.leaders.index(comm.fs_leader)
-        self.successor = self.leaders[(position + 1) % self.nodes]  # holds this node's replica
-        self.predecessor = self.leaders[position - 1]  # whose replica this node holds
-        self._pushed: str | None = None
-        self.fetched = 0  # files this rank fetched from peers for a restore (logs, tests)
-        self.repair_failures: list[str] = []  # why a node's copy could not be completed
-        self.fetched_for_load: list[str] = []  # other nodes' shard files this rank's loads read
-        self.push_lock = threading.Lock()
-        self.fetched_dir = tier.root.rstrip("/") + ".fetched"  # shards of other nodes, per load
+
+    def _committed(self) -> list[str]:
+        """This node's in-memory generations with their manifest, newest first."""
+        return [name for name in list_generations(self.tier.store)
+                if os.path.exists(os.path.join(self.tier.root, name, MANIFEST_NAME))]
+
+    def _members(self, leader: int) -> set[int]:
+        """The ranks of the node ``leader`` leads."""
+        return {rank for rank, lead in enumerate(self.leader_of) if lead == leader}
 
     # ---- replication (leaders, the manager's janitor thread) -------------------------------
     def push_newest(self) -> None:
@@ -129,7 +146,7 @@ class NodeRing:
             self._push_newest()
 
     def _push_newest(self) -> None:
-        newest = next(iter(_committed(self.tier.root)), None)
+        newest = next(iter(self._committed()), None)
         if newest is None or newest == self._pushed:
             return
         directory = os.path.join(self.tier.root, newest)
@@ -138,7 +155,7 @@ class NodeRing:
             with open(os.path.join(directory, MANIFEST_NAME), "rb") as handle:
                 manifest_raw = handle.read()
             manifest = Manifest.from_bytes(manifest_raw, generation=newest)
-            group = {r for r, leader in enumerate(self.leader_of) if leader == self.comm.rank}
+            group = self._members(self.comm.rank)
             paths = [f.path for f in manifest.files if f.rank in group]  # rank 0's: the common too
             if 0 in group and os.path.exists(os.path.join(directory, SIGNATURE_NAME)):
                 paths.append(SIGNATURE_NAME)
@@ -165,7 +182,7 @@ class NodeRing:
                 shutil.rmtree(final, ignore_errors=True)
                 os.rename(os.path.join(self.replica_root, directory), final)
             keep.add(newest)
-            floor = _number(newest)
+            floor = parse_generation(newest) or 0
         arriving = [(_generation_of(n), _mtime(os.path.join(self.replica_root, n)), n)
                     for n in _listdir(self.replica_root) if n.startswith(PENDING_PREFIX)]
         arriving = [a for a in arriving if a[0] is not None and a[0] > floor]
@@ -178,11 +195,7 @@ class NodeRing:
     def drop_newer_replicas(self, generation: str | None) -> None:
         """Leaders after restore: replicas newer than the generation resumed from belong to a
         timeline the job will overwrite."""
-        floor = -1 if generation is None else _number(generation)
-        for name in _listdir(self.replica_root):
-            number = _generation_of(name)
-            if number is not None and number > floor:
-                shutil.rmtree(os.path.join(self.replica_root, name), ignore_errors=True)
+        remove_newer(self.replica_root, generation, _generation_of)
         self._pushed = None
 
     # ---- restore (all ranks) ---------------------------------------------------------------
@@ -191,7 +204,7 @@ class NodeRing:
         (manifest, files held, directory name)."""
         held: dict[str, dict[str, tuple[str, list[str], str]]] = {}
         for root_name, root in (("memory", self.tier.root), ("replica", self.replica_root)):
-            found = [(n, n) for n in _committed(root)] if root_name == "memory" else _received(root)
+            found = [(n, n) for n in self._committed()] if root_name == "memory" else _received(root)
             held[root_name] = {}
             for name, directory in found:
                 if name in held[root_name]:
@@ -249,13 +262,13 @@ class NodeRing:
             fetches: dict[int, list[tuple[str, int, str]]] = {}
             complete = True
             for leader in self.leaders:
-                ranks = {r for r, lead in enumerate(self.leader_of) if lead == leader}
+                ranks = self._members(leader)
                 mine = held.get(leader, {}).get("memory", {}).get(name)
                 if mine is not None and mine[0] != manifest_raw:
                     complete = False  # another timeline's copy of that name: never mixed
                     break
                 have = set(mine[1]) if mine is not None else set()
-                needed = {f.path for f in manifest.files if f.rank in ranks or f.path in COMMON}
+                needed = {f.path for f in manifest.files if f.rank in ranks or f.path in COMMON_FILES}
                 if 0 in ranks and any(SIGNATURE_NAME in files for _, _, files in sources):
                     needed.add(SIGNATURE_NAME)
                 for path in sorted(needed - have):
@@ -292,8 +305,12 @@ class NodeRing:
                 fetch(self.addresses[source], self.token, root, f"{directory}/{path}", temporary,
                       max_bytes=entry.size if entry else 1 << 20, exact=entry is not None)
                 try:
-                    if entry is not None and file_digest(temporary, entry.algorithm)[1] != entry.digest:
-                        raise PeerError(f"{path} from the node of rank {source} fails its digest")
+                    if entry is not None:
+                        try:
+                            check_entry(generation, path, entry, *file_digest(temporary, entry.algorithm))
+                        except ValidationError as exc:
+                            raise PeerError(f"{path} from the node of rank {source} fails its digest: "
+                                            f"{exc}") from exc
                     os.link(temporary, os.path.join(target, path))  # never over an existing file
                 finally:
                     os.unlink(temporary)
@@ -345,14 +362,8 @@ class NodeRing:
                 self.comm.store_wait([f"ring/pushed/{self.predecessor}"], CLOSE_WAIT_S)
             except Exception:  # noqa: BLE001 - a store gone with rank 0: close at once
                 log.warning("ring close handshake skipped", exc_info=True)
-        if self.server is not None:
             self.server.close()
         self.after_restore()
-
-
-def _number(generation: str) -> int:
-    number = parse_generation(generation)
-    return -1 if number is None else number
 
 
 def _mtime(path: str) -> float:
@@ -367,13 +378,6 @@ def _generation_of(name: str) -> int | None:
     if name.startswith(PENDING_PREFIX):
         name = name[len(PENDING_PREFIX):].rpartition("-")[0]
     return parse_generation(name)
-
-
-def _committed(root: str) -> list[str]:
-    """Generations under ``root`` with their manifest, newest first."""
-    names = [n for n in _listdir(root) if parse_generation(n) is not None
-             and os.path.exists(os.path.join(root, n, MANIFEST_NAME))]
-    return sorted(names, key=lambda n: parse_generation(n) or 0, reverse=True)
 
 
 def _received(root: str) -> list[tuple[str, str]]:

@@ -93,10 +93,7 @@ class PeerFiles:
                 with open_regular(path) as handle:
                     size = os.fstat(handle.fileno()).st_size
                     conn.sendall(_LENGTH.pack(size))
-                    sent = 0
-                    while sent < size and (chunk := handle.read(min(CHUNK, size - sent))):
-                        conn.sendall(chunk)
-                        sent += len(chunk)
+                    _send_from(conn, handle, size)
                 self.served += 1
             except (OSError, ValueError, PeerError, DistCkptError) as exc:
                 log.warning("peer request refused: %s: %s", type(exc).__name__, exc)
@@ -166,6 +163,21 @@ def _receive_into(out: BinaryIO, read: Callable[[int], bytes], size: int, what: 
     os.fsync(out.fileno())
 
 
+def _send_from(conn: socket.socket, handle: BinaryIO, size: int) -> int:
+    """Up to ``size`` bytes of ``handle`` sent; returns how many (fewer if the file shrank)."""
+    sent = 0
+    while sent < size and (chunk := handle.read(min(CHUNK, size - sent))):
+        conn.sendall(chunk)
+        sent += len(chunk)
+    return sent
+
+
+def _reason(conn: socket.socket) -> str:
+    """A refusal's reason, after its -1 length (length-prefixed, at most 1024 bytes)."""
+    (length,) = struct.unpack("!I", _exactly(conn, 4))
+    return _exactly(conn, min(length, 1024)).decode(errors="replace")
+
+
 def _exactly(conn: socket.socket, count: int) -> bytes:
     data = bytearray()
     while len(data) < count:
@@ -188,9 +200,7 @@ def fetch(address: tuple[str, int], token: str, root: str, path: str, target: st
             conn.sendall(request)
             (size,) = _LENGTH.unpack(_exactly(conn, _LENGTH.size))
             if size < 0:
-                (length,) = struct.unpack("!I", _exactly(conn, 4))
-                raise PeerError(f"{address[0]}:{address[1]} did not serve {root}/{path}: "
-                                f"{_exactly(conn, min(length, 1024)).decode(errors='replace')}")
+                raise PeerError(f"{address[0]}:{address[1]} did not serve {root}/{path}: {_reason(conn)}")
             if size > max_bytes or (exact and size != max_bytes):
                 raise PeerError(f"{root}/{path} at {address[0]}:{address[1]} is {size} bytes, "
                                 f"{'not' if exact else 'more than'} the {max_bytes} expected")
@@ -218,16 +228,12 @@ def push(address: tuple[str, int], token: str, root: str, path: str, source: str
                                      "size": size}).encode() + b"\n")
             sent = 0
             try:
-                while sent < size and (chunk := handle.read(min(CHUNK, size - sent))):
-                    conn.sendall(chunk)
-                    sent += len(chunk)
+                sent = _send_from(conn, handle, size)
             except OSError:  # the peer refused before reading it all: its reason, if it sent one
                 pass
             (answer,) = _LENGTH.unpack(_exactly(conn, _LENGTH.size))
             if answer < 0:
-                (length,) = struct.unpack("!I", _exactly(conn, 4))
-                raise PeerError(f"{address[0]}:{address[1]} refused {root}/{path}: "
-                                f"{_exactly(conn, min(length, 1024)).decode(errors='replace')}")
+                raise PeerError(f"{address[0]}:{address[1]} refused {root}/{path}: {_reason(conn)}")
             if sent != size:
                 raise PeerError(f"{root}/{path}: sent {sent} of {size} bytes")
             return size

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError
 from ..format.manifest import (
+    COMMON_FILES,
     DCP_DIR,
     GLOBAL_STATE_FILE,
     METADATA_FILE,
@@ -149,7 +150,6 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
 
 
 ALWAYS_HASHED = frozenset({METADATA_FILE})
-COMMON_FILES = frozenset({METADATA_FILE, GLOBAL_STATE_FILE})  # every rank reads them
 
 
 def _reason(exc: Exception) -> str:
