@@ -98,6 +98,12 @@ Mirror (``save/mirror.py``, uploader threads):
 ``mirror.before_publish``   rank 0: every rank reported a successful upload; the remote
                             manifest not yet created. ``raise`` fails that upload.
 
+Memory tier ring (``ops/replica.py``, the janitor thread of each node's leader):
+
+``ring.push``               the node leader's rank: before it sends its newest in-memory
+                            generation to its ring successor. ``raise`` loses that replica
+                            (the next pass, or ``close``, tries again).
+
 Retention (``ops/retention.py``, ``prune``: the janitor thread of each filesystem leader,
 rank 0's uploader for the mirror, or the CLI as rank 0):
 

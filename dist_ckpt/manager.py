@@ -389,8 +389,11 @@ class CheckpointManager:
         if self.snapshots is not None:
             self.snapshots.wait()
 
-    def close(self) -> None:
+    def close(self, *, after_error: bool = False) -> None:
         """Wait (bounded by ``close_timeout_s``) for outstanding saves, then release resources.
+        ``after_error`` (``with`` passes it when the block raised): the job is failing, so the
+        memory tier's ring neither sends a last replica nor waits for its peers' (a lost peer
+        would hold the exit, and so the restart, for the handshake's whole bound).
 
         Leaves nothing behind for interpreter finalisation, where a thread that needs the GIL
         is killed wherever it stands (inside native code: std::terminate, SIGABRT): every
@@ -414,7 +417,7 @@ class CheckpointManager:
             self._janitor.shutdown(wait=True)
             self._join_save_threads(deadline)
             if self.flash is not None:
-                self.flash.close()
+                self.flash.close(after_error)
             if self.snapshots is not None:
                 self.snapshots.close()  # the optimizer step pre-hooks
             if self.staging is not None and not self._jobs:
@@ -487,5 +490,5 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(after_error=exc_type is not None)

@@ -50,6 +50,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--memory-tier", action="store_true",
                         help="save to this node's shared memory; persist every --persist-every")
     parser.add_argument("--persist-every", type=int, default=1)
+    parser.add_argument("--commit-timeout", type=float, default=120,
+                        help="seconds rank 0 waits for every rank's report (a rank that died "
+                        "mid-save holds the others this long)")
     parser.add_argument("--stop-at", type=int, default=None,
                         help="exit 0 after this update without finish() (a job cut short)")
     evidence = parser.add_argument_group("fault injection and evidence")
@@ -138,7 +141,7 @@ def main() -> None:
     state = TrainState(model, optimizer, sampler=sampler, numpy_generators={"noise": noise},
                        contract={"config": config})
     ckpt = CheckpointConfig(async_save=args.async_save, save_every=args.save_every,
-                            cadence=args.cadence, keep_last=3, commit_timeout_s=120,
+                            cadence=args.cadence, keep_last=3, commit_timeout_s=args.commit_timeout,
                             memory_tier=args.memory_tier, persist_every=args.persist_every)
     with CheckpointManager(ckpt, state) as mgr:
         resumed = mgr.restore()

@@ -26,12 +26,13 @@ def equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def train(tmp_path, kind: str = "fsdp", replica: bool = True) -> tuple[str, str, list[dict]]:
+def train(tmp_path, kind: str = "fsdp", replica: bool = True,
+          lost_push: int | None = None) -> tuple[str, str, list[dict]]:
     """5 updates, a save to memory after each, every 2nd persisted: the root lacks the newest.
     Items over 1 KiB count as large here, so that each rank has a tensor file and a small one."""
     root, shm_dir = str(tmp_path / "root"), str(tmp_path / "shm")
     ranks = run_ranks(2, memory_jobs.node_train, root, shm_dir, RUN, 5, 2, kind, replica, 1024,
-                      timeout_s=180)
+                      lost_push, timeout_s=180)
     return root, shm_dir, ranks
 
 
@@ -77,6 +78,27 @@ def test_a_node_that_lost_its_memory_is_rebuilt_from_its_replica(tmp_path) -> No
     assert [(r["generation"], r["tier"]) for r in ranks] == [(NEWEST, "memory")] * 2
     assert equal(ranks[0]["full"], trained[0]["full"])
     assert ranks[1]["fetched"] >= 4  # its shard and rank state, the common files, the manifest's peers
+
+
+def test_a_node_lost_before_its_newest_replica_arrived_is_rebuilt_one_generation_back(tmp_path) -> None:
+    """Node 0 never got its generation 5 to node 1 (it died while sending), then lost its
+    memory. Node 1 kept its own generation 4 for that case (not every node had announced
+    generation 5 replicated), so both nodes resume generation 4 from memory: the replica of
+    node 0's files and node 1's own copy. Without that, node 1 would hold generation 5 alone
+    and only the persistent root could serve."""
+    root, shm_dir, trained = train(tmp_path, lost_push=5)
+    held = sorted(n for n in os.listdir(trained[1]["memory_root"]) if n.startswith("gen-"))
+    assert held == [PERSISTED, NEWEST], held
+    replicas = os.listdir(trained[1]["memory_root"].rstrip("/") + ".replica")
+    assert replicas == [PERSISTED], replicas  # node 0's generation 5 never arrived
+    shutil.rmtree(node_dir(shm_dir, 0))  # node 0 replaced: its memory and its replicas gone
+    ranks = run_ranks(2, memory_jobs.node_restore, root, shm_dir, RUN, timeout_s=180)
+    assert [(r["generation"], r["tier"]) for r in ranks] == [(PERSISTED, "memory")] * 2, ranks[0]["rejected"]
+    assert ranks[0]["fetched"] >= 4  # its shards, rank state and the common files from node 1
+    shutil.rmtree(shm_dir)  # the same generation from the persistent root: the same tensors
+    from_root = run_ranks(2, memory_jobs.node_restore, root, shm_dir, RUN, timeout_s=180)
+    assert [(r["generation"], r["tier"]) for r in from_root] == [(PERSISTED, "local")] * 2
+    assert equal(ranks[0]["full"], from_root[0]["full"])
 
 
 def test_a_damaged_replica_is_rejected_and_the_root_used(tmp_path) -> None:

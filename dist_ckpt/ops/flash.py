@@ -122,6 +122,8 @@ class FlashTier:
         pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
         with self.ring.push_lock if self.ring is not None else contextlib.nullcontext():
             try:
+                if self.ring is not None:  # a lost node's peers keep what rebuilds it
+                    pinned |= self.ring.protected()
                 retention.prune(self.tier, keep_last=MEMORY_KEEP, pinned=pinned | self._forced,
                                 key=self.config.signing_key)
             except Exception:  # noqa: BLE001 - retention must never break training
@@ -142,9 +144,9 @@ class FlashTier:
         except Exception:  # noqa: BLE001 - replicas must never break training
             log.exception("memory tier replication pass failed")
 
-    def close(self) -> None:
+    def close(self, after_error: bool = False) -> None:
         if self.ring is not None:
-            self.ring.close()
+            self.ring.close(after_error)
 
     def before_restore(self) -> None:
         """Every rank (collective), before selection: each node's memory copy completed from

@@ -14,8 +14,14 @@ Call order:
 - ``push_newest`` then ``settle_replicas`` on each leader in the manager's janitor thread
   after each committed save, before the memory prune (so the generation being sent is never
   deleted meanwhile): this node's files of its newest committed in-memory generation go to
-  the ring successor, manifest last (a replica's commit point); received replicas are renamed
-  to their generation's name and older ones dropped;
+  the ring successor, manifest last (a replica's commit point), and the leader announces it
+  in the store; received replicas are renamed to their generation's name and older ones
+  dropped;
+- ``protected`` in the memory prune (leaders): this node keeps its own copy of the newest
+  generation every node has replicated (and the newer ones), at most ``RING_KEEP``. Without
+  it, a node that lost its memory while its newest replica was still on the way would leave
+  no generation whole: its successor holds its previous one, and every other node already
+  deleted theirs;
 - ``repair()`` on every rank at the start of ``restore()`` (collective): every leader's
   holdings are all-gathered, the newest generation the nodes can complete is chosen (the
   same plan on every rank), and each leader fetches what its node lacks into its memory copy.
@@ -36,7 +42,7 @@ import socket
 import threading
 import uuid
 
-from .. import logs
+from .. import faults, logs
 from ..errors import ConfigError, DistCkptError, ValidationError
 from ..format.manifest import (
     COMMON_FILES,
@@ -57,6 +63,8 @@ from ..tiers.memory import MemoryTier, remove_newer
 log = logs.get(__name__)
 PEER_HOST_ENV = "DIST_CKPT_PEER_HOST"
 HELD = 2  # newest generations per root a leader reports at restore
+RING_KEEP = 2  # own committed in-memory generations a leader keeps for the ring at most
+REPLICATED_KEY = "ring/replicated/"  # + leader rank: the newest generation it replicated
 CLOSE_WAIT_S = 30.0  # how long a closing leader keeps serving its predecessor's last push
 
 
@@ -159,12 +167,42 @@ class NodeRing:
             paths = [f.path for f in manifest.files if f.rank in group]  # rank 0's: the common too
             if 0 in group and os.path.exists(os.path.join(directory, SIGNATURE_NAME)):
                 paths.append(SIGNATURE_NAME)
+            faults.hit("ring.push", self.comm.rank)
             for path in [*paths, MANIFEST_NAME]:  # the manifest last: a replica's commit point
                 push(self.addresses[self.successor], self.token, "replica", f"{target}/{path}",
                      os.path.join(directory, path))
             self._pushed = newest
         except (OSError, DistCkptError) as exc:  # a missed replica costs a restore from the root
             log.warning("no replica of %s on the node of rank %d: %s", newest, self.successor, exc)
+            return
+        try:
+            self.comm.store_set(f"{REPLICATED_KEY}{self.comm.rank}", newest.encode())
+        except Exception:  # noqa: BLE001 - unannounced: the peers keep more, never less
+            log.warning("could not announce the replica of %s", newest, exc_info=True)
+
+    def protected(self) -> frozenset[str]:
+        """Leaders (janitor or persistence thread, in the memory prune): this node's own
+        committed generations to keep for a node lost meanwhile. A lost node is rebuilt at
+        the newest generation its successor holds whole, so every other node keeps its own
+        copy of the oldest generation a leader announced (and the newer ones), or of every
+        generation while a leader has announced none. Bounded by ``RING_KEEP`` newest: a
+        replication that lags further leaves a lost node to the persistent root."""
+        if not self.replicating or not self.is_leader:
+            return frozenset()
+        announced = []
+        try:
+            for leader in self.leaders:
+                key = f"{REPLICATED_KEY}{leader}"
+                if not self.comm.store.check([key]):
+                    break
+                announced.append(parse_generation(self.comm.store_get(key).decode()))
+        except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): as if unannounced
+            log.warning("could not read the ring's replicas from the store", exc_info=True)
+        floor = -1  # a leader announced nothing yet: every generation RING_KEEP allows
+        if len(announced) == len(self.leaders) and None not in announced:
+            floor = min(n for n in announced if n is not None)
+        committed = self._committed()[:RING_KEEP]
+        return frozenset(n for n in committed if (parse_generation(n) or 0) >= floor)
 
     def settle_replicas(self) -> None:
         """Leaders, janitor thread: the newest complete replica (its manifest arrived, last)
@@ -351,17 +389,20 @@ class NodeRing:
     def after_restore(self) -> None:
         shutil.rmtree(self.fetched_dir, ignore_errors=True)
 
-    def close(self) -> None:
+    def close(self, after_error: bool = False) -> None:
         """Every rank, after the manager's janitor thread ended (this node's pushes are over).
         A leader says so in the store, then keeps serving until its predecessor said the same
-        (bounded): the last push of a run is not cut off by the receiver closing first."""
-        self.push_newest()  # the run's last generation, if the janitor had not sent it yet
+        (bounded): the last push of a run is not cut off by the receiver closing first.
+        ``after_error``: the job is failing (a peer may be gone): no push, no wait."""
+        if not after_error:
+            self.push_newest()  # the run's last generation, if the janitor had not sent it yet
         if self.server is not None:
-            try:
-                self.comm.store_set(f"ring/pushed/{self.comm.rank}", b"1")
-                self.comm.store_wait([f"ring/pushed/{self.predecessor}"], CLOSE_WAIT_S)
-            except Exception:  # noqa: BLE001 - a store gone with rank 0: close at once
-                log.warning("ring close handshake skipped", exc_info=True)
+            if not after_error:
+                try:
+                    self.comm.store_set(f"ring/pushed/{self.comm.rank}", b"1")
+                    self.comm.store_wait([f"ring/pushed/{self.predecessor}"], CLOSE_WAIT_S)
+                except Exception:  # noqa: BLE001 - a store gone with rank 0: close at once
+                    log.warning("ring close handshake skipped", exc_info=True)
             self.server.close()
         self.after_restore()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from dist_ckpt import runinfo, shm
+from dist_ckpt import faults, runinfo, shm
 from dist_ckpt.save import shardio
 from tests.helpers.workers import build, full_state, manager, train_step
 
@@ -48,10 +48,11 @@ def node_dir(shm_dir: str, rank: int) -> str:
 
 def node_train(rank: int, world: int, root: str, shm_dir: str, run_id: str, steps: int,
                persist_every: int, kind: str = "fsdp", replica: bool = True,
-               small_item_bytes: int | None = None) -> dict:
+               small_item_bytes: int | None = None, lost_push: int | None = None) -> dict:
     """Save to each node's memory after every update; the replica roots at the end.
     ``small_item_bytes``: the bound of a rank's small-items file (this model's tensors are
-    all under the default)."""
+    all under the default). ``lost_push``: from that update's save on, rank 0's node sends no
+    replica (as if it died while sending): every earlier pass finished before."""
     _env(node_dir(shm_dir, rank), run_id)
     if small_item_bytes is not None:
         shardio.SMALL_ITEM_BYTES = small_item_bytes
@@ -60,6 +61,10 @@ def node_train(rank: int, world: int, root: str, shm_dir: str, run_id: str, step
                  memory_replica=replica) as mgr:
         for update in range(1, steps + 1):
             train_step(job)
+            if update == lost_push:
+                mgr.wait()
+                mgr._janitor.submit(lambda: None).result()  # the earlier pushes are done
+                faults.configure({"ring.push": {"rank": 0, "raise": True}})
             mgr.save(update)
         memory_root = mgr.save_tier.local_root
     return {"full": full_state(job), "memory_root": memory_root}
