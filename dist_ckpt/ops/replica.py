@@ -14,14 +14,14 @@ Call order:
 - ``push_newest`` then ``settle_replicas`` on each leader in the manager's janitor thread
   after each committed save, before the memory prune (so the generation being sent is never
   deleted meanwhile): this node's files of its newest committed in-memory generation go to
-  the ring successor, manifest last (a replica's commit point), and the leader announces it
-  in the store; received replicas are renamed to their generation's name and older ones
-  dropped;
+  the ring successor, manifest last (a replica's commit point), and the leader counts it in
+  the store (one counter per generation); received replicas are renamed to their
+  generation's name and older ones dropped;
 - ``protected`` in the memory prune (leaders): this node keeps its own copy of the newest
-  generation every node has replicated (and the newer ones), at most ``RING_KEEP``. Without
-  it, a node that lost its memory while its newest replica was still on the way would leave
-  no generation whole: its successor holds its previous one, and every other node already
-  deleted theirs;
+  generation every leader has counted as replicated (and the newer ones), at most
+  ``RING_KEEP``. Without it, a node that lost its memory while its newest replica was still
+  on the way would leave no generation whole: its successor holds its previous one, and
+  every other node already deleted theirs;
 - ``repair()`` on every rank at the start of ``restore()`` (collective): every leader's
   holdings are all-gathered, the newest generation the nodes can complete is chosen (the
   same plan on every rank), and each leader fetches what its node lacks into its memory copy.
@@ -64,7 +64,7 @@ log = logs.get(__name__)
 PEER_HOST_ENV = "DIST_CKPT_PEER_HOST"
 HELD = 2  # newest generations per root a leader reports at restore
 RING_KEEP = 2  # own committed in-memory generations a leader keeps for the ring at most
-REPLICATED_KEY = "ring/replicated/"  # + leader rank: the newest generation it replicated
+REPLICATED_KEY = "ring/replicated/"  # + generation: how many leaders replicated it
 CLOSE_WAIT_S = 30.0  # how long a closing leader keeps serving its predecessor's last push
 
 
@@ -176,33 +176,27 @@ class NodeRing:
             log.warning("no replica of %s on the node of rank %d: %s", newest, self.successor, exc)
             return
         try:
-            self.comm.store_set(f"{REPLICATED_KEY}{self.comm.rank}", newest.encode())
-        except Exception:  # noqa: BLE001 - unannounced: the peers keep more, never less
-            log.warning("could not announce the replica of %s", newest, exc_info=True)
+            self.comm.store.add(f"{REPLICATED_KEY}{newest}", 1)
+        except Exception:  # noqa: BLE001 - uncounted: the peers keep more, never less
+            log.warning("could not count the replica of %s", newest, exc_info=True)
 
     def protected(self) -> frozenset[str]:
         """Leaders (janitor or persistence thread, in the memory prune): this node's own
-        committed generations to keep for a node lost meanwhile. A lost node is rebuilt at
-        the newest generation its successor holds whole, so every other node keeps its own
-        copy of the oldest generation a leader announced (and the newer ones), or of every
-        generation while a leader has announced none. Bounded by ``RING_KEEP`` newest: a
-        replication that lags further leaves a lost node to the persistent root."""
+        committed generations to keep for a node lost meanwhile. A lost node is rebuilt at the
+        newest generation its successor holds whole, which is at least the newest one every
+        leader counted as replicated: this node keeps that one and the newer ones (all of its
+        ``RING_KEEP`` newest while none is counted by every leader). A replication that lags
+        further leaves a lost node to the persistent root. Two store reads at most."""
         if not self.replicating or not self.is_leader:
             return frozenset()
-        announced = []
-        try:
-            for leader in self.leaders:
-                key = f"{REPLICATED_KEY}{leader}"
-                if not self.comm.store.check([key]):
-                    break
-                announced.append(parse_generation(self.comm.store_get(key).decode()))
-        except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): as if unannounced
-            log.warning("could not read the ring's replicas from the store", exc_info=True)
-        floor = -1  # a leader announced nothing yet: every generation RING_KEEP allows
-        if len(announced) == len(self.leaders) and None not in announced:
-            floor = min(n for n in announced if n is not None)
         committed = self._committed()[:RING_KEEP]
-        return frozenset(n for n in committed if (parse_generation(n) or 0) >= floor)
+        try:
+            for index, name in enumerate(committed):
+                if self.comm.store.add(f"{REPLICATED_KEY}{name}", 0) >= self.nodes:
+                    return frozenset(committed[:index + 1])
+        except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): keep them all
+            log.warning("could not read the ring's replica counts from the store", exc_info=True)
+        return frozenset(committed)
 
     def settle_replicas(self) -> None:
         """Leaders, janitor thread: the newest complete replica (its manifest arrived, last)
