@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import zipfile
 from typing import Any
@@ -21,8 +22,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
+from dist_ckpt.format.manifest import MANIFEST_NAME
 from dist_ckpt.restore import onepass
 from dist_ckpt.restore.records import copy_pair, narrowed, parse_tensor_record
+from dist_ckpt.save import shardio
 from dist_ckpt.testing import run_ranks
 from tests.helpers import workers
 from tests.helpers.local_jobs import make_state, two_generations
@@ -222,3 +225,29 @@ def test_a_shard_failing_on_one_rank_stops_every_rank_before_any_item_is_read(tm
     for result in results:  # every rank hashed its files; no rank read an item of generation 2
         assert result["generation"] == GEN1 and result["rejected"] == [GEN2]
         assert [(r["generation"], r["loaded"]) for r in result["reads"]] == [(GEN2, False), (GEN1, True)]
+
+
+def save_with_small_bound(rank: int, world: int, root: str) -> None:
+    shardio.SMALL_ITEM_BYTES = 1024  # this model's tensors are small: keep a tensor file too
+    save_two(rank, world, root)
+
+
+def test_no_rank_hashes_another_ranks_tensor_file(tmp_path) -> None:
+    """FSDP saves each replicated step count once, in one rank's file; the other rank reads it
+    from that rank's small-items file, so a verified restore hashes its own shard and small
+    files only (with one file per rank it hashed the other rank's whole shard too)."""
+    root = str(tmp_path / "run")
+    run_ranks(2, save_with_small_bound, root)
+    manifest = json.load(open(os.path.join(root, GEN2, MANIFEST_NAME)))
+    shards = {f["path"]: (f["rank"], f["size"]) for f in manifest["files"] if f["path"].endswith(".distcp")}
+    tensor_files = {rank: size for path, (rank, size) in shards.items() if path.endswith("_0.distcp")}
+    assert sorted(tensor_files) == [0, 1], shards
+    assert any(path.endswith("_1.distcp") for path in shards), shards  # a small-items file
+    results = run_ranks(2, restore_counting, root)
+    for rank, result in enumerate(results):
+        assert result["generation"] == GEN2
+        (read,) = result["reads"]
+        own = sum(size for r, size in shards.values() if r == rank)
+        others_small = sum(size for path, (r, size) in shards.items()
+                           if r != rank and not path.endswith("_0.distcp"))
+        assert tensor_files[rank] <= read["hashed"] <= own + others_small, (rank, read, shards)

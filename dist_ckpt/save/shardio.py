@@ -159,8 +159,11 @@ class HashingFileSystem(FileSystem):
 class SmallItemsApartWriter(FileSystemWriter):
     """DCP's file writer, with a rank's small items (non-tensor objects, tensors up to
     ``SMALL_ITEM_BYTES``) in a file of their own, after its tensor files. DCP saves a
-    replicated tensor (an optimizer step count) once, in one rank's file: another node that
-    loads it then fetches that small file, not the rank's whole shard (``ops/replica.py``)."""
+    replicated tensor (an optimizer step count) once, in one rank's file: every other rank
+    that loads it then reads that small file, not the rank's whole shard. A verified restore
+    hashes every file it reads from, so with one file per rank an FSDP restore hashed twice
+    the bytes on one rank; an object-store restore downloaded them, and another node of the
+    memory tier fetched them (``ops/replica.py``)."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if _split_by_size_and_type is None or not hasattr(self, "_write_data"):

@@ -125,8 +125,9 @@ class CommitTier(Protocol):
     # restore may load a generation of another world size from here (False: the memory tier,
     # whose per-node copies only a job of the same shape finds again)
     reshards: bool
-    # each rank's small items in a file of their own (the memory tier: another node loading a
-    # replicated tensor fetches that file, not the rank's shard; save/shardio.py)
+    # each rank's small items in a file of their own: a rank loading a replicated tensor DCP
+    # saved in another rank's file reads (hashes, downloads, fetches from another node) that
+    # small file, not the other rank's whole shard (save/shardio.py)
     small_items_apart: bool
 
     def begin(self, generation: str, attempt_id: str, *, source_dir: str | None = None) -> Attempt: ...

@@ -161,7 +161,7 @@ class ObjectStoreTier:
     leaves_debris = True
     keeps_rejected = False
     reshards = True
-    small_items_apart = False
+    small_items_apart = True  # a restore downloads a peer's small file, not its shard
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  scratch_root: str | None = None, concurrency: int = 4,

@@ -128,7 +128,7 @@ class RenameTier:
     leaves_debris = False
     keeps_rejected = True
     reshards = True
-    small_items_apart = False
+    small_items_apart = True  # a verified restore hashes a peer's small file, not its shard
 
     def __init__(self, root: str, local_ranks: frozenset[int] | None = None) -> None:
         self.store = LocalBackend(root)
