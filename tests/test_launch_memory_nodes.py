@@ -86,14 +86,15 @@ def test_lost_node_resumes_from_its_peers_replica(tmp_path) -> None:
         launchlib.wait_for(lambda: _newest_in_memory(shm_dirs[1]) >= 4, 240,
                            "node 1 to hold generation 4 in memory")
         lost_at = _newest_in_memory(shm_dirs[1])
+        # the first start's workers (which rank landed on which node is torchrun's choice)
+        workers = [_worker_pid(root, rank) for rank in (0, 1)]
         os.killpg(nodes[1].pid, signal.SIGKILL)  # the whole node: launcher, then its workers
         outputs.append(nodes[1].communicate(timeout=60)[0])
-        worker = _worker_pid(root, 1)
-        launchlib.wait_for(lambda: _dead(worker), 60, "node 1's worker to exit")
         # as with a machine that takes minutes to replace: node 0's start failed (its peer
         # vanished) and its next torchrun waits in the rendezvous (it hosts the new store)
         launchlib.wait_for(lambda: any(s["classification"] == "transient" for s in read_log(root)),
                            90, "node 0's start to end")
+        launchlib.wait_for(lambda: all(_dead(pid) for pid in workers), 60, "the workers to exit")
         # a replaced machine: the next launcher removes what the dead one left in memory
         replacement = _node(root, shm_dirs[1], port, final)
         nodes.append(replacement)
