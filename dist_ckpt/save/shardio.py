@@ -182,12 +182,11 @@ class SmallItemsApartWriter(FileSystemWriter):
 
 
 def hashing_writer(path: str, *, thread_count: int, cancel: threading.Event | None = None,
-                   rank: int | None = None, algorithm: str = DEFAULT_ALGORITHM,
-                   small_items_apart: bool = False) -> tuple[FileSystemWriter, HashingFileSystem]:
+                   rank: int | None = None,
+                   algorithm: str = DEFAULT_ALGORITHM) -> tuple[FileSystemWriter, HashingFileSystem]:
     # sync_files=False: the stream fsyncs once, after the last byte is flushed
-    kind = SmallItemsApartWriter if small_items_apart else FileSystemWriter
-    writer = kind(path, single_file_per_rank=True, sync_files=False,
-                  thread_count=thread_count, overwrite=True)
+    writer = SmallItemsApartWriter(path, single_file_per_rank=True, sync_files=False,
+                                   thread_count=thread_count, overwrite=True)
     filesystem = HashingFileSystem(cancel, rank, algorithm)
     writer.fs = filesystem
     return writer, filesystem

@@ -91,7 +91,6 @@ class Attempt(Protocol):
     local_dir: str  # this rank writes its files here (a private local directory)
     data_dir: str  # where the files live inside the generation ("" = at its top)
     shared: bool  # the tier's: False when each filesystem group publishes its own copy
-    small_items_apart: bool  # the tier's: each rank's small items go to a file of their own
 
     def put_files(self, entries: list[dict]) -> None:
         """Every rank, for its own files (FileEntry fields) below ``local_dir``."""
@@ -125,10 +124,6 @@ class CommitTier(Protocol):
     # restore may load a generation of another world size from here (False: the memory tier,
     # whose per-node copies only a job of the same shape finds again)
     reshards: bool
-    # each rank's small items in a file of their own: a rank loading a replicated tensor DCP
-    # saved in another rank's file reads (hashes, downloads, fetches from another node) that
-    # small file, not the other rank's whole shard (save/shardio.py)
-    small_items_apart: bool
 
     def begin(self, generation: str, attempt_id: str, *, source_dir: str | None = None) -> Attempt: ...
 

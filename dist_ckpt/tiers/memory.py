@@ -44,7 +44,6 @@ class MemoryTier(RenameTier):
     keeps_rejected = False
     reshards = False
     peers: PeerSource | None = None  # other nodes' files, for a load on more than one node
-    small_items_apart = True  # another node fetches a rank's small file, not its whole shard
 
     def open_reader(self, generation: str, manifest: Manifest,
                     scratch_parent: str | None = None) -> GenerationReader:

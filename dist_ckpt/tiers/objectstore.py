@@ -111,7 +111,6 @@ class ObjectStoreAttempt:
         self.data_dir = attempt_prefix(attempt_id)
         self.replay = source_dir is not None
         self.shared = tier.shared
-        self.small_items_apart = tier.small_items_apart
         self.local_dir = source_dir or os.path.join(tier.local_root, pending_dir_name(generation, attempt_id))
 
     def put_files(self, entries: list[dict]) -> None:
@@ -161,7 +160,6 @@ class ObjectStoreTier:
     leaves_debris = True
     keeps_rejected = False
     reshards = True
-    small_items_apart = True  # a restore downloads a peer's small file, not its shard
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  scratch_root: str | None = None, concurrency: int = 4,

@@ -47,7 +47,6 @@ class RenameAttempt:
         self.source_dir = source_dir
         self.replay = source_dir is not None
         self.shared = tier.shared
-        self.small_items_apart = tier.small_items_apart
         # a replay (the memory tier's persistence) copies into its own pending directory: the
         # source generation stays where it is, committed
         self.local_dir = os.path.join(tier.root, pending_dir_name(generation, attempt_id))
@@ -128,7 +127,6 @@ class RenameTier:
     leaves_debris = False
     keeps_rejected = True
     reshards = True
-    small_items_apart = True  # a verified restore hashes a peer's small file, not its shard
 
     def __init__(self, root: str, local_ranks: frozenset[int] | None = None) -> None:
         self.store = LocalBackend(root)

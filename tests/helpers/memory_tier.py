@@ -112,7 +112,6 @@ class MemoryAttempt:
         self.attempt_id = attempt_id
         self.data_dir = attempt_prefix(attempt_id)
         self.shared = tier.shared
-        self.small_items_apart = tier.small_items_apart
         self.replay = source_dir is not None
         self.local_dir = source_dir or os.path.join(tier.local_root, pending_dir_name(generation, attempt_id))
 
@@ -157,7 +156,6 @@ class MemoryTier:
     leaves_debris = True
     keeps_rejected = False
     reshards = True
-    small_items_apart = False
 
     def __init__(self, url: str, scratch_root: str | None = None) -> None:
         self.store = MemoryStore(url)
