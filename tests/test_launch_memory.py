@@ -52,16 +52,6 @@ def test_sigkilled_worker_resumes_from_memory_bitwise(tmp_path) -> None:
         assert not os.path.exists(shm.run_dir(rid, shm.DEFAULT_BASE))
 
 
-def _dead(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        return False
-    return True
-
-
 def test_killed_launcher_memory_is_removed_by_the_next_start(tmp_path) -> None:
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
@@ -80,11 +70,8 @@ def test_killed_launcher_memory_is_removed_by_the_next_start(tmp_path) -> None:
         proc.wait(timeout=30)
     finally:
         proc.kill()
-    start_dir = os.path.join(run_dir(root), ".launch")
-    newest = os.path.join(start_dir, sorted(os.listdir(start_dir))[-1])
-    pids = [json.load(open(os.path.join(newest, n)))["pid"] for n in os.listdir(newest)
-            if n.startswith("rank-")]
-    launchlib.wait_for(lambda: _dead(pids), 60, "the orphaned workers to exit")
+    pids = list(launchlib.worker_pids(root).values())
+    launchlib.wait_for(lambda: launchlib.all_exited(pids), 60, "the orphaned workers to exit")
     assert os.path.isdir(killed) and shm.stale_reason(killed) is not None
     after = subprocess.run(launchlib.command(str(tmp_path / "next"), "--run-id", "next", script_args=(
         "--memory-tier", "--updates", "2", "--save-every", "1")), cwd=launchlib.REPO, env=env,

@@ -8,7 +8,6 @@ resume at the generation the node died after proves that nothing came from stora
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -32,11 +31,9 @@ JOB = ("--memory-tier", "--persist-every", "100", "--updates", str(UPDATES), "--
 
 
 def _node(root: str, shm_dir: str, port: int, dump: str) -> subprocess.Popen:
-    command = launchlib.command(
-        root, "--run-id", "nodes", "--backoff", "0.5", "--nnodes", "2", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "memory-nodes", nproc=1,
-        script_args=(*JOB, "--dump-final", dump))
-    command.remove("--standalone")
+    command = launchlib.command(root, "--run-id", "nodes", "--backoff", "0.5", nproc=1, nnodes=2,
+                                rdzv_port=port, rdzv_id="memory-nodes",
+                                script_args=(*JOB, "--dump-final", dump))
     env = dict(launchlib.env(), **{shm.SHM_DIR_ENV: shm_dir})
     return subprocess.Popen(command, cwd=launchlib.REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -50,24 +47,6 @@ def _newest_in_memory(shm_dir: str) -> int:
         if number is not None and MANIFEST_NAME in files:
             newest = max(newest, number)
     return newest
-
-
-def _worker_pid(root: str, rank: int) -> int:
-    launch_dir = os.path.join(run_dir(root), ".launch")
-    for start in sorted(os.listdir(launch_dir), reverse=True):
-        report = os.path.join(launch_dir, start, f"rank-{rank:05d}.json")
-        if os.path.exists(report):
-            with open(report, encoding="utf-8") as handle:
-                return json.load(handle)["pid"]
-    raise AssertionError(f"no report of rank {rank}")
-
-
-def _dead(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def test_lost_node_resumes_from_its_peers_replica(tmp_path) -> None:
@@ -87,14 +66,14 @@ def test_lost_node_resumes_from_its_peers_replica(tmp_path) -> None:
                            "node 1 to hold generation 4 in memory")
         lost_at = _newest_in_memory(shm_dirs[1])
         # the first start's workers (which rank landed on which node is torchrun's choice)
-        workers = [_worker_pid(root, rank) for rank in (0, 1)]
+        workers = list(launchlib.worker_pids(root).values())
         os.killpg(nodes[1].pid, signal.SIGKILL)  # the whole node: launcher, then its workers
         outputs.append(nodes[1].communicate(timeout=60)[0])
         # as with a machine that takes minutes to replace: node 0's start failed (its peer
         # vanished) and its next torchrun waits in the rendezvous (it hosts the new store)
         launchlib.wait_for(lambda: any(s["classification"] == "transient" for s in read_log(root)),
                            90, "node 0's start to end")
-        launchlib.wait_for(lambda: all(_dead(pid) for pid in workers), 60, "the workers to exit")
+        launchlib.wait_for(lambda: launchlib.all_exited(workers), 60, "the workers to exit")
         # a replaced machine: the next launcher removes what the dead one left in memory
         replacement = _node(root, shm_dirs[1], port, final)
         nodes.append(replacement)

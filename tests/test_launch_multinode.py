@@ -34,13 +34,11 @@ def test_two_nodes_restart_after_node1_loses_its_workers(s3_root: str, tmp_path)
     procs = []
     for disk in disks:
         command = launchlib.command(
-            str(mount_point), "--mirror", s3_root, "--run-id", "job", "--backoff", "1",
-            "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "two-nodes", nproc=1,
+            str(mount_point), "--mirror", s3_root, "--run-id", "job", "--backoff", "1", nproc=1,
+            nnodes=2, rdzv_port=port, rdzv_id="two-nodes",
             script_args=("--updates", "8", "--save-every", "2", "--crash-at", "5",
                          "--crash-rank", "-1", "--crash-marker", str(mount_point / "crashed"),
                          "--crash-after-mirrored"))
-        command.remove("--standalone")
         script = f"mount --bind {disk} {mount_point} && exec {' '.join(command)}"
         procs.append(subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=launchlib.REPO,
                                       env=launchlib.env(), stdout=subprocess.PIPE,

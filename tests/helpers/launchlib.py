@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,9 +26,15 @@ def env() -> dict[str, str]:
 
 
 def command(root: str, *launcher_args: str, nproc: int = 2, script: str = EXAMPLE,
-            script_args: tuple[str, ...] = ()) -> list[str]:
+            script_args: tuple[str, ...] = (), nnodes: int = 1, rdzv_port: int | None = None,
+            rdzv_id: str = "nodes") -> list[str]:
+    """One node (``--standalone``), or one of ``nnodes`` launchers meeting in a c10d
+    rendezvous on ``127.0.0.1:rdzv_port`` (each started with the same arguments)."""
+    rendezvous = ["--standalone"] if nnodes == 1 else [
+        "--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", rdzv_id]
     return [sys.executable, "-m", "launch", "--checkpoint-root", root, *launcher_args,
-            "--nproc-per-node", str(nproc), "--standalone", script, *script_args]
+            "--nproc-per-node", str(nproc), *rendezvous, script, *script_args]
 
 
 def launch(root: str, *launcher_args: str, nproc: int = 2, script: str = EXAMPLE,
@@ -60,6 +66,30 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.1)
+
+
+def worker_pids(root: str) -> dict[int, int]:
+    """Rank -> pid of its newest report (every launcher of a run writes its own start
+    directories; which rank landed on which node is torchrun's choice)."""
+    launch_dir = os.path.join(run_dir(root), ".launch")
+    pids: dict[int, int] = {}
+    for start in sorted(os.listdir(launch_dir)):  # oldest first: newer reports replace older
+        for name in os.listdir(os.path.join(launch_dir, start)):
+            if name.startswith("rank-"):
+                with open(os.path.join(launch_dir, start, name), encoding="utf-8") as handle:
+                    report = json.load(handle)
+                pids[int(name.removeprefix("rank-").removesuffix(".json"))] = report["pid"]
+    return pids
+
+
+def all_exited(pids: Iterable[int]) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
 
 
 def workers_training(root: str, world_size: int) -> bool:
