@@ -216,7 +216,7 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
     metadata, which it returns; a verification failure on any rank becomes one
     ``ValidationError`` naming each failing rank's file."""
     reader = tier.open_reader(name, manifest, scratch_parent)
-    one_pass = one_pass or getattr(reader, "needs_local_copy", False)
+    one_pass = one_pass or reader.needs_local_copy
     verifying = OnePassReader(reader, comm, name, manifest) if one_pass else None
     storage_reader = verifying if verifying is not None else reader.storage_reader
     try:

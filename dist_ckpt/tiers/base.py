@@ -74,6 +74,9 @@ class GenerationReader(Protocol):
     # True: every byte DCP reads is checked against the manifest as it arrives (a mismatch
     # lands in ``errors``); False: the caller checks the digests of what it reads first
     hashes_on_read: bool
+    # True: some file may be elsewhere (another node's memory): only ``local_copy`` brings
+    # it, so a load goes through the one-pass reader, which calls it for every file
+    needs_local_copy: bool
     errors: list[ValidationError]
 
     def read_metadata(self) -> Metadata: ...
@@ -150,6 +153,7 @@ class LocalFilesReader:
     the shards it reads first)."""
 
     hashes_on_read = False
+    needs_local_copy = False
 
     def __init__(self, store: StoreReader, generation: str, manifest: Manifest, dcp_dir: str) -> None:
         self.store = store

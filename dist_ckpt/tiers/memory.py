@@ -73,7 +73,6 @@ class _NodeFilesReader(LocalFilesReader):
         super().__init__(tier.store, generation, manifest,
                          os.path.join(tier.root, generation, manifest.location(DCP_DIR)))
         self.peers = tier.peers
-        # a file may come from another node: only the one-pass reader's local_copy fetches it
         self.needs_local_copy = self.peers is not None and self.peers.nodes > 1
 
     def local_copy(self, rel: str) -> tuple[str, bool]:

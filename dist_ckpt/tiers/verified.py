@@ -90,6 +90,7 @@ class VerifiedObjectReader(FileSystemReader):
     (a ``GenerationReader`` of the object-store tier)."""
 
     hashes_on_read = True
+    needs_local_copy = False
 
     def __init__(self, backend: StoreReader, generation: str, manifest: Manifest,
                  scratch_parent: str | None = None) -> None:
