@@ -291,7 +291,7 @@ class CheckpointManager:
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
             attempt=self.save_tier.begin(name, attempt_id), prepared=prepared,
             signing_key=self.config.signing_key,
-            digest_algorithm=self.config.digest_algorithm,
+            digest_algorithm=self.config.digest_algorithm, direct_io=self.config.direct_io,
             rank_state=codec.dumps(state.rank_state()),
             global_state=codec.dumps(state.global_state()) if is_root else None,
             info=ManifestInfo(world_size=self.comm.world_size, components=list(state.components),

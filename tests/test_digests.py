@@ -13,7 +13,7 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, ConfigError
 from dist_ckpt.cli.app import main as cli
 from dist_ckpt.digests import digest_bytes
 from dist_ckpt.format.manifest import MANIFEST_NAME, FileEntry
-from tests.helpers.local_jobs import make_state, two_generations
+from tests.helpers.local_jobs import assert_same_model, load_with_plain_dcp, make_state, two_generations
 
 GEN2 = "gen-000000000002"
 
@@ -167,7 +167,6 @@ def test_a_shard_failing_in_the_load_leaves_no_tensor_of_it(tmp_path) -> None:
 def test_a_generation_loads_with_plain_dcp_and_crc_is_restored(tmp_path) -> None:
     """Shards are written without the zip CRC32 (the digest covers them); plain
     ``dcp.load`` still reads them, and torch's own setting is back once the save is done."""
-    import torch.distributed.checkpoint as dcp
     from torch.utils.serialization import config as serialization_config
 
     root = str(tmp_path)
@@ -175,11 +174,7 @@ def test_a_generation_loads_with_plain_dcp_and_crc_is_restored(tmp_path) -> None
     saved = two_generations(root)
     assert serialization_config.save.compute_crc32 == before
     fresh = make_state()
-    template = fresh.tensor_state()
-    with pytest.warns(UserWarning, match="torch.distributed is disabled"):
-        dcp.load(template, checkpoint_id=os.path.join(root, GEN2, "dcp"))
-    fresh.load_tensor_state(template)
-    for name, value in saved.model.state_dict().items():
-        assert torch.equal(fresh.model.state_dict()[name], value), name
+    load_with_plain_dcp(os.path.join(root, GEN2, "dcp"), fresh)
+    assert_same_model(fresh, saved)
     for mine, theirs in zip(fresh.optimizer.state.values(), saved.optimizer.state.values(), strict=True):
         assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq"))

@@ -1,9 +1,10 @@
 """DCP shard files written with their digest (BLAKE3 by default) computed on the way out.
 
 DCP's ``FileSystemWriter`` fsyncs a data file through ``stream.fileno()`` while Python's
-buffer may still hold its tail; the stream here flushes before handing out the descriptor,
-so that fsync covers every byte, and hashes each byte as it is written, so that no file is
-read back to get its digest.
+buffer may still hold its tail; here the filesystem fsyncs each file once, after its last
+byte went out, and the stream hashes each byte as it is written, so that no file is read
+back to get its digest. The bytes go past the page cache where that is possible
+(``directio``).
 
 A doomed save stops writing: once ``cancel`` is set (the rank's commit deadline passed) every
 further write request raises ``SaveAbandoned`` instead of reaching the disk, so a slow disk
@@ -28,6 +29,7 @@ from torch.utils.serialization import config as serialization_config
 
 from .. import faults
 from ..digests import DEFAULT_ALGORITHM, hasher
+from .directio import Sink, open_sink
 
 _crc_lock = threading.Lock()
 _crc_off_writers = 0
@@ -70,11 +72,14 @@ class SaveAbandoned(OSError):
 
 
 class HashingStream(io.RawIOBase):
-    def __init__(self, raw: io.BufferedWriter, on_error: Any = None,
+    """A write-only stream over a :class:`~.directio.Sink` that hashes each byte on its way
+    and counts them (``tell`` is the count: DCP records each item's offset with it)."""
+
+    def __init__(self, sink: Sink, on_error: Any = None,
                  cancel: threading.Event | None = None, rank: int | None = None,
                  algorithm: str = DEFAULT_ALGORITHM) -> None:
         super().__init__()
-        self._raw = raw
+        self._sink = sink
         self._digest = hasher(algorithm)
         self.size = 0
         self._on_error = on_error
@@ -89,52 +94,58 @@ class HashingStream(io.RawIOBase):
         try:
             self._check_cancel()
             faults.hit("write.request", self._rank)  # a slow or failing disk, per request
-            written = self._raw.write(view)
+            self._sink.write(view)
         except OSError as exc:
             # torch.save's native writer reports a failed write as "unexpected pos": keep
             # the real cause (ENOSPC, EIO) for the rank's report
             if self._on_error is not None:
                 self._on_error(exc)
             raise
-        self._digest.update(view[:written])
-        self.size += written
-        return written
+        self._digest.update(view)
+        self.size += len(view)
+        return len(view)
 
     def _check_cancel(self) -> None:
         if self._cancel is not None and self._cancel.is_set():
             raise SaveAbandoned("the commit deadline passed: remaining writes abandoned")
 
     def tell(self) -> int:
-        return self._raw.tell()
+        return self.size
 
     def flush(self) -> None:
-        self._raw.flush()
+        pass  # a direct sink writes whole aligned blocks only; finish() writes the rest
 
     def fileno(self) -> int:
-        self._raw.flush()  # so that an fsync on this descriptor covers every written byte
-        return self._raw.fileno()
+        raise io.UnsupportedOperation("the shard stream fsyncs itself once its last byte is out")
 
-    def close(self) -> None:
-        if not self.closed:
-            self._raw.flush()
-        super().close()
+    def finish(self) -> None:
+        """Hand every byte to the kernel (the caller fsyncs ``sink.fileno()`` after)."""
+        try:
+            self._sink.finish()
+        except OSError as exc:
+            if self._on_error is not None:
+                self._on_error(exc)
+            raise
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
 
 
 class HashingFileSystem(FileSystem):
-    """DCP filesystem whose write streams record (size, digest) per file path."""
+    """DCP filesystem whose write streams record (size, digest) per file path; ``direct``
+    writes the files past the page cache where the filesystem allows (``directio``)."""
 
     def __init__(self, cancel: threading.Event | None = None, rank: int | None = None,
-                 algorithm: str = DEFAULT_ALGORITHM) -> None:
+                 algorithm: str = DEFAULT_ALGORITHM, *, direct: bool = False) -> None:
         super().__init__()
         self.algorithm = algorithm
+        self.direct = direct
         self.digests: dict[str, tuple[int, str]] = {}
         self.errors: list[OSError] = []  # write errors, in the order they happened
         self.cancel = cancel
         self.rank = rank
         self.created: list[str] = []  # every file opened for writing, for cleanup on failure
+        self.written_direct: list[str] = []  # names of the files that bypassed the page cache
         self._lock = threading.Lock()
 
     @contextmanager
@@ -145,15 +156,21 @@ class HashingFileSystem(FileSystem):
             return
         with self._lock:
             self.created.append(os.fspath(path))
-        with open(path, mode) as raw:
-            stream = HashingStream(raw, on_error=self.errors.append, cancel=self.cancel, rank=self.rank,
+        sink = open_sink(os.fspath(path), direct=self.direct)
+        try:
+            stream = HashingStream(sink, on_error=self.errors.append, cancel=self.cancel, rank=self.rank,
                                    algorithm=self.algorithm)
             yield stream
-            stream.close()
-            stream._check_cancel()  # no fsync of a doomed file either
-            os.fsync(raw.fileno())
+            stream._check_cancel()  # no tail, no fsync of a doomed file either
+            stream.finish()
+            os.fsync(sink.fileno())
+        finally:
+            sink.close()
+        name = os.path.basename(os.fspath(path))
         with self._lock:
-            self.digests[os.path.basename(os.fspath(path))] = (stream.size, stream.hexdigest())
+            self.digests[name] = (stream.size, stream.hexdigest())
+            if sink.direct:
+                self.written_direct.append(name)
 
 
 class SmallItemsApartWriter(FileSystemWriter):
@@ -182,11 +199,11 @@ class SmallItemsApartWriter(FileSystemWriter):
 
 
 def hashing_writer(path: str, *, thread_count: int, cancel: threading.Event | None = None,
-                   rank: int | None = None,
-                   algorithm: str = DEFAULT_ALGORITHM) -> tuple[FileSystemWriter, HashingFileSystem]:
-    # sync_files=False: the stream fsyncs once, after the last byte is flushed
+                   rank: int | None = None, algorithm: str = DEFAULT_ALGORITHM,
+                   direct: bool = False) -> tuple[FileSystemWriter, HashingFileSystem]:
+    # sync_files=False: the filesystem fsyncs each file once, after its last byte is out
     writer = SmallItemsApartWriter(path, single_file_per_rank=True, sync_files=False,
                                    thread_count=thread_count, overwrite=True)
-    filesystem = HashingFileSystem(cancel, rank, algorithm)
+    filesystem = HashingFileSystem(cancel, rank, algorithm, direct=direct)
     writer.fs = filesystem
     return writer, filesystem

@@ -94,6 +94,7 @@ class Attempt(Protocol):
     local_dir: str  # this rank writes its files here (a private local directory)
     data_dir: str  # where the files live inside the generation ("" = at its top)
     shared: bool  # the tier's: False when each filesystem group publishes its own copy
+    direct_io: bool  # the tier's: the writer may send this attempt's files past the page cache
 
     def put_files(self, entries: list[dict]) -> None:
         """Every rank, for its own files (FileEntry fields) below ``local_dir``."""
@@ -127,6 +128,10 @@ class CommitTier(Protocol):
     # restore may load a generation of another world size from here (False: the memory tier,
     # whose per-node copies only a job of the same shape finds again)
     reshards: bool
+    # files written under local_root may bypass the page cache (O_DIRECT): True where they stay
+    # on a disk until a restore; False where they are memory already (tmpfs) or are read back
+    # at once (an object store's upload scratch)
+    direct_io: bool
 
     def begin(self, generation: str, attempt_id: str, *, source_dir: str | None = None) -> Attempt: ...
 

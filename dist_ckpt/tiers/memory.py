@@ -43,6 +43,7 @@ class MemoryTier(RenameTier):
     kind = "memory"
     keeps_rejected = False
     reshards = False
+    direct_io = False  # tmpfs: the page cache is the memory tier itself
     peers: PeerSource | None = None  # other nodes' files, for a load on more than one node
 
     def open_reader(self, generation: str, manifest: Manifest,

@@ -111,6 +111,7 @@ class ObjectStoreAttempt:
         self.data_dir = attempt_prefix(attempt_id)
         self.replay = source_dir is not None
         self.shared = tier.shared
+        self.direct_io = tier.direct_io
         self.local_dir = source_dir or os.path.join(tier.local_root, pending_dir_name(generation, attempt_id))
 
     def put_files(self, entries: list[dict]) -> None:
@@ -156,6 +157,7 @@ class ObjectStoreTier:
     """Generations below an fsspec URL; one copy serves every rank."""
 
     shared = True
+    direct_io = False  # the upload reads each file right after it is written
     kind = "object store"
     leaves_debris = True
     keeps_rejected = False

@@ -47,6 +47,7 @@ class RenameAttempt:
         self.source_dir = source_dir
         self.replay = source_dir is not None
         self.shared = tier.shared
+        self.direct_io = tier.direct_io
         # a replay (the memory tier's persistence) copies into its own pending directory: the
         # source generation stays where it is, committed
         self.local_dir = os.path.join(tier.root, pending_dir_name(generation, attempt_id))
@@ -127,6 +128,7 @@ class RenameTier:
     leaves_debris = False
     keeps_rejected = True
     reshards = True
+    direct_io = True
 
     def __init__(self, root: str, local_ranks: frozenset[int] | None = None) -> None:
         self.store = LocalBackend(root)

@@ -27,3 +27,20 @@ def two_generations(root: str, **config) -> TrainState:
             step(state)
             mgr.save(update)
     return state
+
+
+def load_with_plain_dcp(dcp_dir: str, fresh: TrainState) -> None:
+    """Load a generation's ``dcp/`` files into ``fresh`` with torch's own ``dcp.load`` (no
+    dist_ckpt reader): the files must stay readable without this package."""
+    import pytest
+    import torch.distributed.checkpoint as dcp
+
+    template = fresh.tensor_state()
+    with pytest.warns(UserWarning, match="torch.distributed is disabled"):
+        dcp.load(template, checkpoint_id=dcp_dir)
+    fresh.load_tensor_state(template)
+
+
+def assert_same_model(loaded: TrainState, saved: TrainState) -> None:
+    for name, value in saved.model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], value), name

@@ -112,6 +112,7 @@ class MemoryAttempt:
         self.attempt_id = attempt_id
         self.data_dir = attempt_prefix(attempt_id)
         self.shared = tier.shared
+        self.direct_io = tier.direct_io
         self.replay = source_dir is not None
         self.local_dir = source_dir or os.path.join(tier.local_root, pending_dir_name(generation, attempt_id))
 
@@ -152,6 +153,7 @@ class MemoryAttempt:
 
 class MemoryTier:
     shared = True
+    direct_io = False
     kind = "memory (test)"
     leaves_debris = True
     keeps_rejected = False

@@ -1,0 +1,178 @@
+"""Shard files written past the page cache (``O_DIRECT``), with a buffered fallback.
+
+A buffered write copies every byte into the page cache, and the kernel later writes it back
+and reclaims the pages: on the development machine that kernel work is most of a save's CPU
+(0.07 to 0.34 s of system time per 256 MiB, against about 0.05 s of user and system time
+for the same bytes written with ``O_DIRECT`` from a reused buffer). A checkpoint is read
+again only after a failure, so keeping it in the page cache buys little.
+
+``O_DIRECT`` needs the memory address, the file offset and the length of every write aligned
+to the device's logical block. DCP's files are ``torch.save`` records at whatever offsets they
+fall on, so the bytes go through one aligned buffer per open file (``CHUNK_BYTES``, from a
+pool reused across saves) that is written whole; the file's last partial block is written
+after clearing ``O_DIRECT``. A filesystem that refuses ``O_DIRECT`` (at ``open`` or at the
+first write: ``EINVAL``) gets the same bytes buffered.
+
+Call order, on the writing thread of one file: ``open_sink`` -> ``write`` ... -> ``finish``
+(every byte handed to the kernel) -> ``fileno`` for the caller's fsync -> ``close``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from typing import Protocol
+
+import numpy as np
+
+ALIGN = 4096  # a multiple of every logical block size Linux reports (512 or 4096)
+CHUNK_BYTES = 8 << 20  # one O_DIRECT write; big enough that the device sees large requests
+_COPY_WITH_NUMPY = 64 << 10  # numpy's copy releases the GIL; a memoryview copy holds it
+
+
+class Sink(Protocol):
+    direct: bool  # whether its bytes bypass the page cache (all but a last partial block)
+
+    def write(self, view: memoryview) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def fileno(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class _BufferPool:
+    """Aligned (mmap, so page-aligned) write buffers, reused by every save of the process:
+    at most one per file being written at once."""
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, CHUNK_BYTES)
+
+    def release(self, buffer: mmap.mmap) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+
+_pool = _BufferPool()
+
+
+class BufferedSink:
+    """Plain buffered writes (tmpfs, scratch files read back at once, refused ``O_DIRECT``)."""
+
+    direct = False
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by close()
+
+    def write(self, view: memoryview) -> None:
+        self._file.write(view)
+
+    def finish(self) -> None:
+        self._file.flush()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class DirectSink:
+    """Writes through an aligned buffer with ``O_DIRECT``; see the module docstring."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        self.direct = True
+        self._written = 0  # bytes the kernel took, so far
+        self._buffer = _pool.acquire()
+        self._view = memoryview(self._buffer)
+        self._array = np.frombuffer(self._buffer, dtype=np.uint8)
+        self._filled = 0
+
+    def write(self, view: memoryview) -> None:
+        taken = 0
+        while taken < len(view):
+            count = min(CHUNK_BYTES - self._filled, len(view) - taken)
+            target = slice(self._filled, self._filled + count)
+            if count >= _COPY_WITH_NUMPY:
+                np.copyto(self._array[target], np.frombuffer(view[taken:taken + count], dtype=np.uint8))
+            else:
+                self._view[target] = view[taken:taken + count]
+            self._filled += count
+            taken += count
+            if self._filled == CHUNK_BYTES:
+                self._write_out(self._view[:CHUNK_BYTES])
+                self._filled = 0
+
+    def finish(self) -> None:
+        aligned = self._filled - self._filled % ALIGN
+        if aligned:
+            self._write_out(self._view[:aligned])
+        if self._filled > aligned:
+            if self.direct:  # the last partial block cannot go out with O_DIRECT
+                flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            self._write_out(self._view[aligned:self._filled])
+        self._filled = 0
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        self._view.release()
+        del self._array
+        _pool.release(self._buffer)
+
+    def _write_out(self, view: memoryview) -> None:
+        reopened = False
+        while len(view):
+            try:
+                written = os.write(self._fd, view)
+            except OSError as exc:
+                # EINVAL: the filesystem took the flag at open but refuses the I/O (a FUSE
+                # passthrough hands it to a file below), or a short write (a disk filling up)
+                # left an unaligned offset: the rest goes through a descriptor opened without
+                # the flag, where a real error (ENOSPC) then shows as itself
+                if exc.errno != errno.EINVAL or reopened:
+                    raise
+                self._reopen_buffered()
+                reopened = True
+                continue
+            view = view[written:]
+            self._written += written
+
+    def _reopen_buffered(self) -> None:
+        fd = os.open(self._path, os.O_WRONLY)
+        os.lseek(fd, self._written, os.SEEK_SET)
+        os.close(self._fd)
+        self._fd = fd
+        if self._written == 0:
+            self.direct = False
+
+
+def open_sink(path: str, *, direct: bool) -> Sink:
+    """A sink for a new file at ``path``: ``O_DIRECT`` when ``direct`` and the filesystem takes
+    it, buffered otherwise."""
+    if direct:
+        try:
+            return DirectSink(path)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return BufferedSink(path)

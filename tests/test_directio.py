@@ -1,0 +1,173 @@
+"""Shard files written past the page cache (``O_DIRECT``): every byte lands in order, a
+filesystem that refuses the flag gets the same bytes buffered, real write errors keep their
+cause, and a generation written this way loads with plain ``dcp.load``."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import pytest
+import torch
+
+from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
+from dist_ckpt.save import directio, shardio
+from tests.helpers.local_jobs import assert_same_model, load_with_plain_dcp, two_generations
+
+GEN1 = "gen-000000000001"
+# sizes that cross the aligned buffer's edge, leave a partial block, and hit both copy paths
+WRITE_SIZES = [1, 4095, 5, directio.CHUNK_BYTES + 3, (64 << 10) + 1, 7, directio.CHUNK_BYTES - 20, 12_345]
+
+
+def accepts_o_direct(directory: str) -> bool:
+    probe = os.path.join(directory, "probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError as exc:
+        assert exc.errno == errno.EINVAL
+        return False
+    os.unlink(probe)
+    return True
+
+
+def assert_holds(path: str, payload: bytes) -> None:
+    with open(path, "rb") as handle:
+        assert handle.read() == payload
+
+
+def write_pieces(path: str, *, direct: bool) -> tuple[bytes, bool]:
+    payload = os.urandom(sum(WRITE_SIZES))
+    sink = directio.open_sink(path, direct=direct)
+    try:
+        offset = 0
+        for size in WRITE_SIZES:
+            sink.write(memoryview(payload)[offset:offset + size])
+            offset += size
+        sink.finish()
+        os.fsync(sink.fileno())
+        was_direct = sink.direct
+    finally:
+        sink.close()
+    return payload, was_direct
+
+
+def test_direct_sink_writes_every_byte_in_order(tmp_path) -> None:
+    path = str(tmp_path / "shard")
+    payload, was_direct = write_pieces(path, direct=True)
+    assert_holds(path, payload)
+    assert was_direct == accepts_o_direct(str(tmp_path))  # ext4, xfs: True
+
+
+def test_buffered_sink_when_direct_io_is_off(tmp_path) -> None:
+    path = str(tmp_path / "shard")
+    payload, was_direct = write_pieces(path, direct=False)
+    assert not was_direct
+    assert_holds(path, payload)
+
+
+def test_o_direct_refused_at_open_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(directio.os, "open", refusing_open)
+    path = str(tmp_path / "shard")
+    payload, was_direct = write_pieces(path, direct=True)
+    assert not was_direct
+    assert_holds(path, payload)
+
+
+def test_o_direct_refused_at_the_first_write_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
+    """As a FUSE passthrough does: the open takes the flag, the file below refuses each write
+    through that descriptor (clearing the flag with fcntl would not reach it)."""
+    real_open, real_write = os.open, os.write
+    opened_direct: set[int] = set()
+    refused: list[int] = []
+
+    def recording_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        opened_direct.discard(fd)
+        if flags & os.O_DIRECT:
+            opened_direct.add(fd)
+        return fd
+
+    def refusing_write(fd, data):
+        if fd in opened_direct:
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(directio.os, "open", recording_open)
+    monkeypatch.setattr(directio.os, "write", refusing_write)
+    path = str(tmp_path / "shard")
+    payload, was_direct = write_pieces(path, direct=True)
+    assert refused == [directio.CHUNK_BYTES]  # one refusal, then every byte buffered
+    assert not was_direct
+    assert_holds(path, payload)
+
+
+def test_a_full_disk_during_a_direct_write_reports_enospc(tmp_path, monkeypatch) -> None:
+    def full_disk(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(directio.os, "write", full_disk)
+    sink = directio.open_sink(str(tmp_path / "shard"), direct=True)
+    try:
+        with pytest.raises(OSError) as caught:
+            sink.write(memoryview(bytes(directio.CHUNK_BYTES)))
+            sink.finish()
+        assert caught.value.errno == errno.ENOSPC
+    finally:
+        sink.close()
+
+
+def test_the_aligned_buffer_is_reused_across_files(tmp_path) -> None:
+    if not accepts_o_direct(str(tmp_path)):
+        pytest.fail("this machine's test directory must take O_DIRECT (ext4 or xfs)")
+    buffers = []
+    for index in range(2):
+        sink = directio.open_sink(str(tmp_path / f"shard{index}"), direct=True)
+        assert isinstance(sink, directio.DirectSink)
+        buffers.append(sink._buffer)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(sink._buffer))
+        assert address % directio.ALIGN == 0
+        sink.close()
+    assert buffers[0] is buffers[1]
+
+
+def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path, monkeypatch) -> None:
+    opened: list[tuple[str, bool]] = []
+    real_open_sink = shardio.open_sink
+
+    def recording_open_sink(path: str, *, direct: bool) -> directio.Sink:
+        sink = real_open_sink(path, direct=direct)
+        opened.append((os.path.basename(path), sink.direct))
+        return sink
+
+    def large_state() -> TrainState:  # 4.5 MB of weights, 13.5 MB with Adam: whole buffers
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1024, 1100)
+        return TrainState(model, torch.optim.Adam(model.parameters()), contract={"config": "v1"})
+
+    monkeypatch.setattr(shardio, "open_sink", recording_open_sink)
+    root = str(tmp_path / "root")
+    saved = large_state()
+    with CheckpointManager(CheckpointConfig(root=root), saved) as mgr:
+        saved.model(torch.randn(2, 1024)).sum().backward()
+        saved.optimizer.step()  # Adam's moments exist from here
+        saved.optimizer.zero_grad(set_to_none=True)
+        mgr.save(1)
+    assert os.path.getsize(os.path.join(root, GEN1, "dcp", "__0_0.distcp")) > directio.CHUNK_BYTES
+    assert opened and all(name.endswith(".distcp") for name, _ in opened)
+    assert all(direct for _, direct in opened) == accepts_o_direct(str(tmp_path))
+    fresh = large_state()
+    load_with_plain_dcp(os.path.join(root, GEN1, "dcp"), fresh)
+    assert_same_model(fresh, saved)
+
+    opened.clear()
+    two_generations(str(tmp_path / "buffered"), direct_io=False)
+    assert opened and not any(direct for _, direct in opened)
