@@ -106,7 +106,7 @@ class CheckpointManager:
             storage_options=dict(config.storage_options or {}),
             scratch_root=config.cache_dir or os.path.join(
                 tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}"),
-            upload_verification=config.upload_verification))
+            upload_verification=config.upload_verification, direct_io=config.direct_io))
         # memory_tier: saves commit to this node's memory; self.tier (the root) is fed from it
         self.flash = FlashTier(config, self.tier) if config.memory_tier else None
         self.save_tier: CommitTier = self.flash.tier if self.flash is not None else self.tier
@@ -156,7 +156,8 @@ class CheckpointManager:
         if config.mirror is not None:
             self.mirror_tier = open_tier(config.mirror, TierOptions(
                 storage_options=dict(config.storage_options or {}),
-                concurrency=config.mirror_concurrency, upload_verification=config.upload_verification))
+                concurrency=config.mirror_concurrency, upload_verification=config.upload_verification,
+                direct_io=config.direct_io))
             self.mirror = self.mirror_tier.store
             self.uploader = MirrorUploader(
                 self.comm, self.tier, self.mirror_tier, queue_length=config.mirror_queue,
@@ -291,7 +292,7 @@ class CheckpointManager:
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
             attempt=self.save_tier.begin(name, attempt_id), prepared=prepared,
             signing_key=self.config.signing_key,
-            digest_algorithm=self.config.digest_algorithm, direct_io=self.config.direct_io,
+            digest_algorithm=self.config.digest_algorithm,
             rank_state=codec.dumps(state.rank_state()),
             global_state=codec.dumps(state.global_state()) if is_root else None,
             info=ManifestInfo(world_size=self.comm.world_size, components=list(state.components),

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
-from dist_ckpt.save import directio, shardio
+from dist_ckpt.save import shardio
+from dist_ckpt.storage import directio
 from tests.helpers.local_jobs import assert_same_model, load_with_plain_dcp, two_generations
 
 GEN1 = "gen-000000000001"

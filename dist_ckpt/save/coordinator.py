@@ -101,8 +101,7 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
         timer.start()
     algorithm = request.digest_algorithm
     writer, filesystem = hashing_writer(dcp_dir, thread_count=io_threads, cancel=cancel, rank=rank,
-                                        algorithm=algorithm,
-                                        direct=request.direct_io and request.attempt.direct_io)
+                                        algorithm=algorithm, direct=request.attempt.direct_io)
     try:
         with without_zip_crc32():  # the file digest covers every byte already
             results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()

@@ -37,7 +37,6 @@ class SaveRequest:
     signing_key: bytes | None = field(default=None, repr=False)  # HMAC key for manifest.sig
     started: float = field(default_factory=time.monotonic)
     digest_algorithm: str = DEFAULT_ALGORITHM  # of every file this save writes (manifest records it)
-    direct_io: bool = False  # the config's wish; the attempt's tier decides too (Attempt.direct_io)
     staging_error: Exception | None = None  # a lazy copy that failed: nothing may be written
 
     @property

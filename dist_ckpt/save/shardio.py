@@ -29,7 +29,7 @@ from torch.utils.serialization import config as serialization_config
 
 from .. import faults
 from ..digests import DEFAULT_ALGORITHM, hasher
-from .directio import Sink, open_sink
+from ..storage.directio import Sink, open_sink
 
 _crc_lock = threading.Lock()
 _crc_off_writers = 0
@@ -72,7 +72,7 @@ class SaveAbandoned(OSError):
 
 
 class HashingStream(io.RawIOBase):
-    """A write-only stream over a :class:`~.directio.Sink` that hashes each byte on its way
+    """A write-only stream over a :class:`~dist_ckpt.storage.directio.Sink` that hashes each byte on its way
     and counts them (``tell`` is the count: DCP records each item's offset with it)."""
 
     def __init__(self, sink: Sink, on_error: Any = None,

@@ -259,6 +259,7 @@ class TierOptions:
     # how an object store's uploads are checked: "checksum" (sent with each body, one HEAD)
     # or "readback" (each object downloaded and hashed again)
     upload_verification: str = "checksum"
+    direct_io: bool = True  # a local-disk tier may write its files past the page cache
 
 
 TierFactory = Callable[[str, TierOptions], CommitTier]

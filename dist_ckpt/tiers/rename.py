@@ -21,6 +21,7 @@ from ..format.manifest import DCP_DIR, MANIFEST_NAME, STATE_DIR, FileEntry, Mani
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_entry, check_sizes, move_latest
 from ..storage.base import is_remote
+from ..storage.directio import open_sink
 from ..storage.local import LocalBackend, fsync_dir, write_durable
 from .base import (
     GenerationReader,
@@ -58,7 +59,8 @@ class RenameAttempt:
         assert self.source_dir is not None
         for entry in (FileEntry(**fields) for fields in entries):
             copy_verified(os.path.join(self.source_dir, entry.path),
-                          os.path.join(self.local_dir, entry.path), entry, self.generation)
+                          os.path.join(self.local_dir, entry.path), entry, self.generation,
+                          direct=self.direct_io)
 
     def publish(self, manifest: Manifest, signing_key: bytes | None) -> bytes:
         raw = manifest.to_bytes()
@@ -103,19 +105,25 @@ class RenameAttempt:
         shutil.rmtree(self.local_dir, ignore_errors=True)  # a replay's copy, never its source
 
 
-def copy_verified(source: str, target: str, entry: FileEntry, generation: str) -> None:
+def copy_verified(source: str, target: str, entry: FileEntry, generation: str, *,
+                  direct: bool = False) -> None:
     """Copy one file of a committed generation durably, hashing it on the way: bytes that no
-    longer match the manifest (a bit flipped in memory) never reach the target tier."""
+    longer match the manifest (a bit flipped in memory) never reach the target tier.
+    ``direct``: past the page cache where the target's filesystem allows (``directio``)."""
     digest = hasher(entry.algorithm)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     size = 0
-    with open(source, "rb") as src, open(target, "wb") as dst:
-        while chunk := src.read(COPY_CHUNK):
-            digest.update(chunk)
-            dst.write(chunk)
-            size += len(chunk)
-        dst.flush()
-        os.fsync(dst.fileno())
+    with open(source, "rb") as src:
+        sink = open_sink(target, direct=direct)
+        try:
+            while chunk := src.read(COPY_CHUNK):
+                digest.update(chunk)
+                sink.write(memoryview(chunk))
+                size += len(chunk)
+            sink.finish()
+            os.fsync(sink.fileno())
+        finally:
+            sink.close()
     check_entry(generation, entry.path, entry, size, digest.hexdigest())
 
 
@@ -128,9 +136,10 @@ class RenameTier:
     leaves_debris = False
     keeps_rejected = True
     reshards = True
-    direct_io = True
 
-    def __init__(self, root: str, local_ranks: frozenset[int] | None = None) -> None:
+    def __init__(self, root: str, local_ranks: frozenset[int] | None = None, *,
+                 direct_io: bool = True) -> None:
+        self.direct_io = direct_io
         self.store = LocalBackend(root)
         self.root = self.store.root
         self.url = self.root
@@ -162,4 +171,4 @@ class RenameTier:
 
 
 register_tier(lambda url: not is_remote(url),
-              lambda url, options: RenameTier(url.removeprefix("file://")))
+              lambda url, options: RenameTier(url.removeprefix("file://"), direct_io=options.direct_io))
