@@ -72,12 +72,14 @@ class CheckpointConfig(BaseModel):
         description="Digest of every file of a new generation, recorded in its manifest: `blake3` "
                     "(default; cryptographic, about 4x sha256's speed) or `sha256`. Generations of "
                     "either kind verify whatever this is set to.")
-    direct_io: bool = Field(
-        default=True,
+    direct_io: bool | Literal["auto"] = Field(
+        default="auto",
         description="Write shard files past the page cache (`O_DIRECT`, through an aligned buffer reused "
-                    "across saves) on a local-disk root, which saves the kernel's copy and writeback "
-                    "work; falls back to buffered writes where the filesystem refuses it. `False` "
-                    "writes through the page cache (a restore soon after then reads from memory).")
+                    "across saves), which saves the kernel's copy and writeback work: `auto` (default) "
+                    "does so on a root on a local disk filesystem (ext4, xfs, btrfs, f2fs) and writes "
+                    "buffered elsewhere (NFS, FUSE, overlay); `True` tries it on any local root, "
+                    "falling back to buffered writes where the filesystem refuses it; `False` writes "
+                    "through the page cache (a restore soon after then reads from memory).")
     background_nice: int = Field(
         default=10, ge=0, le=19,
         description="CPU priority drop (added nice value, 0 to 19) of the background threads "

@@ -157,7 +157,7 @@ def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path,
     monkeypatch.setattr(shardio, "open_sink", recording_open_sink)
     root = str(tmp_path / "root")
     saved = large_state()
-    with CheckpointManager(CheckpointConfig(root=root), saved) as mgr:
+    with CheckpointManager(CheckpointConfig(root=root, direct_io=True), saved) as mgr:
         saved.model(torch.randn(2, 1024)).sum().backward()
         saved.optimizer.step()  # Adam's moments exist from here
         saved.optimizer.zero_grad(set_to_none=True)
@@ -172,3 +172,32 @@ def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path,
     opened.clear()
     two_generations(str(tmp_path / "buffered"), direct_io=False)
     assert opened and not any(direct for _, direct in opened)
+
+
+MOUNTINFO_LINES = [
+    "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw",
+    r"40 27 0:50 / /mnt/nfs\040share rw - nfs4 server:/export rw",
+    "41 27 8:1 / /data rw - xfs /dev/sdb1 rw",
+    "42 27 0:60 / /data rw - fuse.sshfs host:/ rw",  # mounted over /data later: shadows it
+    "43 27 0:61 / /dev/shm rw - tmpfs tmpfs rw",
+]
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    ("/work/run", "ext4"),
+    ("/mnt/nfs share/run/gen-1", "nfs4"),
+    ("/mnt/nfs/run", "ext4"),  # a mount point is a whole path component
+    ("/data/run", "fuse.sshfs"),
+    ("/dev/shm/dist_ckpt-x", "tmpfs"),
+])
+def test_the_mount_table_names_the_filesystem_of_a_path(path: str, expected: str) -> None:
+    assert directio.mount_type(path, MOUNTINFO_LINES) == expected
+
+
+def test_auto_writes_direct_on_a_local_disk_only(tmp_path) -> None:
+    assert directio.filesystem_type("/dev/shm/not-there-yet") == "tmpfs"
+    assert not directio.resolve_direct_io("auto", "/dev/shm/not-there-yet")
+    local = directio.filesystem_type(str(tmp_path))
+    assert directio.resolve_direct_io("auto", str(tmp_path)) == (local in directio.DIRECT_IO_FILESYSTEMS)
+    assert directio.resolve_direct_io(True, "/dev/shm")
+    assert not directio.resolve_direct_io(False, str(tmp_path))

@@ -28,6 +28,11 @@ from typing import Protocol
 
 import numpy as np
 
+# where direct_io="auto" writes past the page cache: local block-device filesystems. Elsewhere
+# (NFS, FUSE, overlay, tmpfs, ...) O_DIRECT is refused, slower (every write a synchronous
+# round trip) or meaningless, so "auto" writes buffered there.
+DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs", "btrfs", "f2fs"})
+MOUNTINFO = "/proc/self/mountinfo"
 ALIGN = 4096  # a multiple of every logical block size Linux reports (512 or 4096)
 CHUNK_BYTES = 8 << 20  # one O_DIRECT write; big enough that the device sees large requests
 _COPY_WITH_NUMPY = 64 << 10  # numpy's copy releases the GIL; a memoryview copy holds it
@@ -164,6 +169,45 @@ class DirectSink:
         self._fd = fd
         if self._written == 0:
             self.direct = False
+
+
+def filesystem_type(path: str, mountinfo: str = MOUNTINFO) -> str | None:
+    """The type of the filesystem holding ``path`` (``ext4``, ``nfs4``, ``tmpfs``, ...), from
+    the mount table; None where there is none to read (not Linux). ``path`` need not exist
+    yet: its nearest existing ancestor decides."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        with open(mountinfo, encoding="utf-8") as handle:
+            return mount_type(os.path.realpath(existing), handle.read().splitlines())
+    except OSError:
+        return None
+
+
+def mount_type(path: str, mountinfo_lines: list[str]) -> str | None:
+    """The filesystem type of the mount holding the absolute, resolved ``path``, given the
+    lines of ``/proc/self/mountinfo``: the longest mount point above it, and of equal ones the
+    last (a later mount on the same point shadows an earlier one)."""
+    best: tuple[int, str] | None = None
+    for line in mountinfo_lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        mount_point = parts[4].encode().decode("unicode_escape")  # "\040" is a space
+        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+        if inside and (best is None or len(mount_point) >= best[0]):
+            best = (len(mount_point), rest.split()[0])
+    return best[1] if best is not None else None
+
+
+def resolve_direct_io(setting: bool | str, path: str) -> bool:
+    """``CheckpointConfig.direct_io`` for files below ``path``: True and False as given,
+    ``"auto"`` True on a local block-device filesystem (``DIRECT_IO_FILESYSTEMS``)."""
+    if setting == "auto":
+        return filesystem_type(path) in DIRECT_IO_FILESYSTEMS
+    return bool(setting)
 
 
 def open_sink(path: str, *, direct: bool) -> Sink:

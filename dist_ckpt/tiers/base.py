@@ -128,9 +128,9 @@ class CommitTier(Protocol):
     # restore may load a generation of another world size from here (False: the memory tier,
     # whose per-node copies only a job of the same shape finds again)
     reshards: bool
-    # files written under local_root may bypass the page cache (O_DIRECT): True where they stay
-    # on a disk until a restore; False where they are memory already (tmpfs) or are read back
-    # at once (an object store's upload scratch)
+    # files written under local_root bypass the page cache (O_DIRECT): True where they stay on
+    # a local disk until a restore (CheckpointConfig.direct_io decides); False where they are
+    # memory already (tmpfs) or are read back at once (an object store's upload scratch)
     direct_io: bool
 
     def begin(self, generation: str, attempt_id: str, *, source_dir: str | None = None) -> Attempt: ...
@@ -259,7 +259,8 @@ class TierOptions:
     # how an object store's uploads are checked: "checksum" (sent with each body, one HEAD)
     # or "readback" (each object downloaded and hashed again)
     upload_verification: str = "checksum"
-    direct_io: bool = True  # a local-disk tier may write its files past the page cache
+    # CheckpointConfig.direct_io: whether a local tier writes its files past the page cache
+    direct_io: bool | str = "auto"
 
 
 TierFactory = Callable[[str, TierOptions], CommitTier]

@@ -21,7 +21,7 @@ from ..format.manifest import DCP_DIR, MANIFEST_NAME, STATE_DIR, FileEntry, Mani
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_entry, check_sizes, move_latest
 from ..storage.base import is_remote
-from ..storage.directio import open_sink
+from ..storage.directio import open_sink, resolve_direct_io
 from ..storage.local import LocalBackend, fsync_dir, write_durable
 from .base import (
     GenerationReader,
@@ -138,13 +138,13 @@ class RenameTier:
     reshards = True
 
     def __init__(self, root: str, local_ranks: frozenset[int] | None = None, *,
-                 direct_io: bool = True) -> None:
-        self.direct_io = direct_io
+                 direct_io: bool | str = "auto") -> None:
         self.store = LocalBackend(root)
         self.root = self.store.root
         self.url = self.root
         self.local_root = self.root
         self.local_ranks = local_ranks
+        self.direct_io = resolve_direct_io(direct_io, self.root)
 
     def begin(self, generation: str, attempt_id: str, *,
               source_dir: str | None = None) -> RenameAttempt:
