@@ -16,7 +16,6 @@ import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import NotAtOptimizerBoundary, ValidationError
 from . import contract as contract_mod
 from . import rng
+from .statedict import StateDictReader
 
 ALL_COMPONENTS = ("model", "optimizer", "scheduler", "scaler", "data", "rng", "extras")
 
@@ -63,6 +63,7 @@ class TrainState:
         self.require_optimizer_boundary = require_optimizer_boundary
         self.next_update = 0
         self.tokens_seen = 0
+        self._state_dicts: StateDictReader | None = None  # keeps get_state_dict's preparation
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -96,11 +97,13 @@ class TrainState:
     def tensor_state(self, components: Iterable[str] | None = None) -> dict[str, Any]:
         """Model and optimizer state dicts (live references; all ranks call this)."""
         wanted = set(self.components if components is None else components)
-        options = StateDictOptions()
         if self.optimizer is not None and "optimizer" in wanted:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+            if self._state_dicts is None or self._state_dicts.optimizer is not self.optimizer \
+                    or self._state_dicts.model is not self.model:
+                self._state_dicts = StateDictReader(self.model, self.optimizer)
+            model_sd, optim_sd = self._state_dicts.read()
             return {"model": model_sd, "optim": optim_sd}
-        return {"model": get_model_state_dict(self.model, options=options)}
+        return {"model": get_model_state_dict(self.model, options=StateDictOptions())}
 
     def global_state(self) -> dict[str, Any]:
         """Rank-independent small state, written once by rank 0."""
