@@ -53,6 +53,7 @@ from .save.schedule import SaveSchedule
 from .save.snapshot import PendingCopy, lazy_snapshots, run_after_copy
 from .save.space import check_space
 from .save.staging import Staged, StagingPool, stage_ahead
+from .storage.directio import filesystem_type
 from .tiers import CommitTier, TierOptions, open_tier
 from .version import __version__
 
@@ -119,6 +120,10 @@ class CheckpointManager:
             # no save of this job is in flight yet: leftovers are a crashed job's
             for tier in {id(t): t for t in (self.tier, self.save_tier)}.values():
                 tier.remove_leftover_attempts()
+            log.info("shard files under %s (%s) are written %s", self.write_root,
+                     filesystem_type(self.write_root) or "filesystem unknown",
+                     "past the page cache (O_DIRECT)" if self.save_tier.direct_io
+                     else "through the page cache")
         self.comm.barrier()  # nobody writes before stale pending directories are gone
         self.backend = self.tier.store
         if self.comm.rank == 0:

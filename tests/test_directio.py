@@ -201,3 +201,14 @@ def test_auto_writes_direct_on_a_local_disk_only(tmp_path) -> None:
     assert directio.resolve_direct_io("auto", str(tmp_path)) == (local in directio.DIRECT_IO_FILESYSTEMS)
     assert directio.resolve_direct_io(True, "/dev/shm")
     assert not directio.resolve_direct_io(False, str(tmp_path))
+
+
+def test_the_manager_says_how_its_shard_files_are_written(tmp_path, caplog) -> None:
+    caplog.set_level("INFO", logger="dist_ckpt")
+    for direct_io, expected in ((True, "past the page cache (O_DIRECT)"), (False, "through the page cache")):
+        caplog.clear()
+        with CheckpointManager(CheckpointConfig(root=str(tmp_path / str(direct_io)), direct_io=direct_io),
+                               TrainState(torch.nn.Linear(2, 2))):
+            pass
+        started = [r.getMessage() for r in caplog.records if "shard files under" in r.getMessage()]
+        assert len(started) == 1 and started[0].endswith(expected), started
