@@ -67,15 +67,19 @@ def test_buffered_sink_when_direct_io_is_off(tmp_path) -> None:
     assert_holds(path, payload)
 
 
-def test_o_direct_refused_at_open_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
+def refuse_o_direct_at_open(monkeypatch, code: int) -> None:
     real_open = os.open
 
     def refusing_open(path, flags, *args):
         if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(code, os.strerror(code))
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(directio.os, "open", refusing_open)
+
+
+def test_o_direct_refused_at_open_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
+    refuse_o_direct_at_open(monkeypatch, errno.EINVAL)
     path = str(tmp_path / "shard")
     payload, was_direct = write_pieces(path, direct=True)
     assert not was_direct
@@ -180,6 +184,8 @@ MOUNTINFO_LINES = [
     "41 27 8:1 / /data rw - xfs /dev/sdb1 rw",
     "42 27 0:60 / /data rw - fuse.sshfs host:/ rw",  # mounted over /data later: shadows it
     "43 27 0:61 / /dev/shm rw - tmpfs tmpfs rw",
+    "44 27 0:62 / /mnt/données rw - nfs4 server:/export2 rw",  # not escaped: UTF-8 as it is
+    r"45 27 8:2 / /mnt/a\134b rw - btrfs /dev/sdc1 rw",  # a backslash, escaped
 ]
 
 
@@ -189,6 +195,8 @@ MOUNTINFO_LINES = [
     ("/mnt/nfs/run", "ext4"),  # a mount point is a whole path component
     ("/data/run", "fuse.sshfs"),
     ("/dev/shm/dist_ckpt-x", "tmpfs"),
+    ("/mnt/données/run", "nfs4"),
+    ("/mnt/a\\b/run", "btrfs"),
 ])
 def test_the_mount_table_names_the_filesystem_of_a_path(path: str, expected: str) -> None:
     assert directio.mount_type(path, MOUNTINFO_LINES) == expected
@@ -212,3 +220,12 @@ def test_the_manager_says_how_its_shard_files_are_written(tmp_path, caplog) -> N
             pass
         started = [r.getMessage() for r in caplog.records if "shard files under" in r.getMessage()]
         assert len(started) == 1 and started[0].endswith(expected), started
+
+
+def test_a_failed_open_gives_the_aligned_buffer_back(tmp_path, monkeypatch) -> None:
+    directio.open_sink(str(tmp_path / "warm"), direct=True).close()  # one buffer in the pool
+    free_before = len(directio._pool._free)
+    refuse_o_direct_at_open(monkeypatch, errno.EACCES)
+    with pytest.raises(PermissionError):
+        directio.open_sink(str(tmp_path / "shard"), direct=True)
+    assert len(directio._pool._free) == free_before

@@ -85,3 +85,17 @@ def test_a_parameter_added_after_the_first_read_is_in_the_next(monkeypatch) -> N
     assert "head.weight" not in first[0] and "head.weight" in second[0]
     assert "head.weight" in second[1]["state"]
     assert_same(second, get_state_dict(model, optimizer))
+
+
+def test_private_pieces_with_other_signatures_fall_back_to_get_state_dict(monkeypatch) -> None:
+    def other_signature(*args, **kwargs):
+        raise TypeError("_verify_options() got an unexpected keyword argument 'optim_only'")
+
+    model, optimizer = trained()
+    reader = StateDictReader(model, optimizer)
+    public = get_state_dict(model, optimizer)  # what the public API gives (it uses the real pieces)
+    monkeypatch.setattr(statedict.torch_state_dict, "_verify_options", other_signature)
+    monkeypatch.setattr(statedict, "get_state_dict", lambda *args, **kwargs: public)
+    assert reader.read() is public
+    assert not reader._private
+    assert reader.read() is public  # and from then on, without trying the private pieces

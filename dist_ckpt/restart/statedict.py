@@ -37,10 +37,18 @@ class StateDictReader:
         self.options = StateDictOptions()
         self._info: Any = None
         self._key: tuple[int, ...] = ()
+        self._private = True  # False once torch's private pieces turned out to differ
 
     def read(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        if not _HAS_PRIVATE:
-            return get_state_dict(self.model, self.optimizer, options=self.options)
+        if _HAS_PRIVATE and self._private:
+            try:
+                return self._read_keeping_preparation()
+            except TypeError:
+                # a torch release whose private signatures differ: its public API from now on
+                self._private = False
+        return get_state_dict(self.model, self.optimizer, options=self.options)
+
+    def _read_keeping_preparation(self) -> tuple[dict[str, Any], dict[str, Any]]:
         key = self._parameters_key()
         gc_context = getattr(torch_state_dict, "_gc_context", contextlib.nullcontext)
         with gc_context():

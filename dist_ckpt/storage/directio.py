@@ -23,6 +23,7 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import threading
 from typing import Protocol
 
@@ -33,6 +34,9 @@ import numpy as np
 # round trip) or meaningless, so "auto" writes buffered there.
 DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs", "btrfs", "f2fs"})
 MOUNTINFO = "/proc/self/mountinfo"
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): always buffered
+# the kernel writes a space, tab, newline or backslash in a mount point as an octal escape
+_MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
 ALIGN = 4096  # a multiple of every logical block size Linux reports (512 or 4096)
 CHUNK_BYTES = 8 << 20  # one O_DIRECT write; big enough that the device sees large requests
 _COPY_WITH_NUMPY = 64 << 10  # numpy's copy releases the GIL; a memoryview copy holds it
@@ -62,7 +66,8 @@ class _BufferPool:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return mmap.mmap(-1, CHUNK_BYTES)
+        # private: a forked child (a DataLoader worker) gets its own copy, never these pages
+        return mmap.mmap(-1, CHUNK_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def release(self, buffer: mmap.mmap) -> None:
         with self._lock:
@@ -97,11 +102,18 @@ class DirectSink:
     """Writes through an aligned buffer with ``O_DIRECT``; see the module docstring."""
 
     def __init__(self, path: str) -> None:
+        if not O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform", path)
         self._path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        self._buffer = _pool.acquire()  # first: nothing to undo if it fails
+        try:
+            # 0o666 and the umask, as open() does on the buffered path
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o666)
+        except BaseException:
+            _pool.release(self._buffer)
+            raise
         self.direct = True
         self._written = 0  # bytes the kernel took, so far
-        self._buffer = _pool.acquire()
         self._view = memoryview(self._buffer)
         self._array = np.frombuffer(self._buffer, dtype=np.uint8)
         self._filled = 0
@@ -128,7 +140,7 @@ class DirectSink:
         if self._filled > aligned:
             if self.direct:  # the last partial block cannot go out with O_DIRECT
                 flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~O_DIRECT)
             self._write_out(self._view[aligned:self._filled])
         self._filled = 0
 
@@ -138,11 +150,13 @@ class DirectSink:
     def close(self) -> None:
         if self._fd < 0:
             return
-        os.close(self._fd)
-        self._fd = -1
-        self._view.release()
-        del self._array
-        _pool.release(self._buffer)
+        fd, self._fd = self._fd, -1  # never closed twice: the number may be another file's by then
+        try:
+            os.close(fd)
+        finally:
+            self._view.release()
+            del self._array
+            _pool.release(self._buffer)
 
     def _write_out(self, view: memoryview) -> None:
         reopened = False
@@ -164,7 +178,11 @@ class DirectSink:
 
     def _reopen_buffered(self) -> None:
         fd = os.open(self._path, os.O_WRONLY)
-        os.lseek(fd, self._written, os.SEEK_SET)
+        try:
+            os.lseek(fd, self._written, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(self._fd)
         self._fd = fd
         if self._written == 0:
@@ -179,10 +197,11 @@ def filesystem_type(path: str, mountinfo: str = MOUNTINFO) -> str | None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     try:
-        with open(mountinfo, encoding="utf-8") as handle:
-            return mount_type(os.path.realpath(existing), handle.read().splitlines())
+        with open(mountinfo, "rb") as handle:  # bytes: mount points need not be UTF-8
+            lines = [os.fsdecode(line) for line in handle.read().splitlines()]
     except OSError:
         return None
+    return mount_type(os.path.realpath(existing), lines)
 
 
 def mount_type(path: str, mountinfo_lines: list[str]) -> str | None:
@@ -195,7 +214,8 @@ def mount_type(path: str, mountinfo_lines: list[str]) -> str | None:
         parts = fields.split()
         if len(parts) < 5 or not rest:
             continue
-        mount_point = parts[4].encode().decode("unicode_escape")  # "\040" is a space
+        mount_point = os.fsdecode(_MOUNTINFO_ESCAPE.sub(
+            lambda escape: bytes([int(escape.group(1), 8)]), os.fsencode(parts[4])))
         inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
         if inside and (best is None or len(mount_point) >= best[0]):
             best = (len(mount_point), rest.split()[0])
