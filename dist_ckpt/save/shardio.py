@@ -145,7 +145,6 @@ class HashingFileSystem(FileSystem):
         self.cancel = cancel
         self.rank = rank
         self.created: list[str] = []  # every file opened for writing, for cleanup on failure
-        self.written_direct: list[str] = []  # names of the files that bypassed the page cache
         self._lock = threading.Lock()
 
     @contextmanager
@@ -169,8 +168,6 @@ class HashingFileSystem(FileSystem):
         name = os.path.basename(os.fspath(path))
         with self._lock:
             self.digests[name] = (stream.size, stream.hexdigest())
-            if sink.direct:
-                self.written_direct.append(name)
 
 
 class SmallItemsApartWriter(FileSystemWriter):
