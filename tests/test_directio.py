@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
-from dist_ckpt.save import shardio
 from dist_ckpt.storage import directio
 from tests.helpers.local_jobs import assert_same_model, load_with_plain_dcp, two_generations
 
@@ -39,18 +38,12 @@ def assert_holds(path: str, payload: bytes) -> None:
 
 def write_pieces(path: str, *, direct: bool) -> tuple[bytes, bool]:
     payload = os.urandom(sum(WRITE_SIZES))
-    sink = directio.open_sink(path, direct=direct)
-    try:
+    with directio.durable_file(path, direct=direct) as sink:
         offset = 0
         for size in WRITE_SIZES:
             sink.write(memoryview(payload)[offset:offset + size])
             offset += size
-        sink.finish()
-        os.fsync(sink.fileno())
-        was_direct = sink.direct
-    finally:
-        sink.close()
-    return payload, was_direct
+    return payload, sink.direct
 
 
 def test_direct_sink_writes_every_byte_in_order(tmp_path) -> None:
@@ -146,7 +139,7 @@ def test_the_aligned_buffer_is_reused_across_files(tmp_path) -> None:
 
 def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path, monkeypatch) -> None:
     opened: list[tuple[str, bool]] = []
-    real_open_sink = shardio.open_sink
+    real_open_sink = directio.open_sink
 
     def recording_open_sink(path: str, *, direct: bool) -> directio.Sink:
         sink = real_open_sink(path, direct=direct)
@@ -158,7 +151,7 @@ def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path,
         model = torch.nn.Linear(1024, 1100)
         return TrainState(model, torch.optim.Adam(model.parameters()), contract={"config": "v1"})
 
-    monkeypatch.setattr(shardio, "open_sink", recording_open_sink)
+    monkeypatch.setattr(directio, "open_sink", recording_open_sink)
     root = str(tmp_path / "root")
     saved = large_state()
     with CheckpointManager(CheckpointConfig(root=root, direct_io=True), saved) as mgr:

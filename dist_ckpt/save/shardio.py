@@ -29,7 +29,7 @@ from torch.utils.serialization import config as serialization_config
 
 from .. import faults
 from ..digests import DEFAULT_ALGORITHM, hasher
-from ..storage.directio import Sink, open_sink
+from ..storage.directio import Sink, durable_file
 
 _crc_lock = threading.Lock()
 _crc_off_writers = 0
@@ -113,19 +113,10 @@ class HashingStream(io.RawIOBase):
         return self.size
 
     def flush(self) -> None:
-        pass  # a direct sink writes whole aligned blocks only; finish() writes the rest
+        pass  # a direct sink writes whole aligned blocks only; durable_file finishes the rest
 
     def fileno(self) -> int:
         raise io.UnsupportedOperation("the shard stream fsyncs itself once its last byte is out")
-
-    def finish(self) -> None:
-        """Hand every byte to the kernel (the caller fsyncs ``sink.fileno()`` after)."""
-        try:
-            self._sink.finish()
-        except OSError as exc:
-            if self._on_error is not None:
-                self._on_error(exc)
-            raise
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
@@ -155,16 +146,11 @@ class HashingFileSystem(FileSystem):
             return
         with self._lock:
             self.created.append(os.fspath(path))
-        sink = open_sink(os.fspath(path), direct=self.direct)
-        try:
+        with durable_file(os.fspath(path), direct=self.direct) as sink:
             stream = HashingStream(sink, on_error=self.errors.append, cancel=self.cancel, rank=self.rank,
                                    algorithm=self.algorithm)
             yield stream
             stream._check_cancel()  # no tail, no fsync of a doomed file either
-            stream.finish()
-            os.fsync(sink.fileno())
-        finally:
-            sink.close()
         name = os.path.basename(os.fspath(path))
         with self._lock:
             self.digests[name] = (stream.size, stream.hexdigest())

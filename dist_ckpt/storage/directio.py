@@ -14,7 +14,8 @@ after clearing ``O_DIRECT``. A filesystem that refuses ``O_DIRECT`` (at ``open``
 first write: ``EINVAL``) gets the same bytes buffered.
 
 Call order, on the writing thread of one file: ``open_sink`` -> ``write`` ... -> ``finish``
-(every byte handed to the kernel) -> ``fileno`` for the caller's fsync -> ``close``.
+(every byte handed to the kernel) -> ``fileno`` for the caller's fsync -> ``close``;
+``durable_file`` runs the steps after the writes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import mmap
 import os
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import numpy as np
@@ -240,3 +243,16 @@ def open_sink(path: str, *, direct: bool) -> Sink:
             if exc.errno != errno.EINVAL:
                 raise
     return BufferedSink(path)
+
+
+@contextmanager
+def durable_file(path: str, *, direct: bool) -> Iterator[Sink]:
+    """A sink for a new file at ``path`` (``open_sink``): when the block ends without an error,
+    every byte is handed to the kernel and fsynced; the sink is closed either way."""
+    sink = open_sink(path, direct=direct)
+    try:
+        yield sink
+        sink.finish()
+        os.fsync(sink.fileno())
+    finally:
+        sink.close()

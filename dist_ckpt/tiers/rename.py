@@ -21,7 +21,7 @@ from ..format.manifest import DCP_DIR, MANIFEST_NAME, STATE_DIR, FileEntry, Mani
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_entry, check_sizes, move_latest
 from ..storage.base import is_remote
-from ..storage.directio import open_sink, resolve_direct_io
+from ..storage.directio import durable_file, resolve_direct_io
 from ..storage.local import LocalBackend, fsync_dir, write_durable
 from .base import (
     GenerationReader,
@@ -113,17 +113,11 @@ def copy_verified(source: str, target: str, entry: FileEntry, generation: str, *
     digest = hasher(entry.algorithm)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     size = 0
-    with open(source, "rb") as src:
-        sink = open_sink(target, direct=direct)
-        try:
-            while chunk := src.read(COPY_CHUNK):
-                digest.update(chunk)
-                sink.write(memoryview(chunk))
-                size += len(chunk)
-            sink.finish()
-            os.fsync(sink.fileno())
-        finally:
-            sink.close()
+    with open(source, "rb") as src, durable_file(target, direct=direct) as sink:
+        while chunk := src.read(COPY_CHUNK):
+            digest.update(chunk)
+            sink.write(memoryview(chunk))
+            size += len(chunk)
     check_entry(generation, entry.path, entry, size, digest.hexdigest())
 
 
