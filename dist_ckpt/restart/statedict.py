@@ -62,8 +62,8 @@ class StateDictReader:
         return model_sd, optim_sd
 
     def _parameters_key(self) -> tuple[int, ...]:
-        """Identity of every parameter the preparation maps (named, so a renamed or moved
-        module shows too: its parameter is then another object under the same name)."""
+        """Identity of every parameter the preparation maps, the model's then the optimizer's
+        (a reader serves one model and one optimizer: ``TrainState`` makes a new one for others)."""
         named = [id(p) for p in self.model.parameters()]
         grouped = [id(p) for group in self.optimizer.param_groups for p in group["params"]]
-        return (id(self.model), id(self.optimizer), len(named), *named, len(grouped), *grouped)
+        return (len(named), *named, *grouped)

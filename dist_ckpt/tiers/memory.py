@@ -43,10 +43,10 @@ class MemoryTier(RenameTier):
     kind = "memory"
     keeps_rejected = False
     reshards = False
+    peers: PeerSource | None = None  # other nodes' files, for a load on more than one node
 
     def __init__(self, root: str, local_ranks: frozenset[int] | None = None) -> None:
         super().__init__(root, local_ranks, direct_io=False)  # tmpfs: the page cache is this tier
-    peers: PeerSource | None = None  # other nodes' files, for a load on more than one node
 
     def open_reader(self, generation: str, manifest: Manifest,
                     scratch_parent: str | None = None) -> GenerationReader:
