@@ -17,7 +17,8 @@ USAGE = """The dist_ckpt benchmark: every performance target measured in one run
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--state-mib N] [--repeats R] [--dir DIR]
                                          [--json bench-results.json] [--profile]
-                                         [--phases P,...] [--compare] [--steps N] [--profile-cpu]
+                                         [--phases P,...] [--compare] [--steps N] [--lost-pairs N]
+                                         [--allocator caching|glibc] [--profile-cpu]
        (or: python -m scripts.bench ..., python scripts/bench ...)
 
 Phases (default: all): saves, restore (needs saves), interference, memory, commit_scale, compare
@@ -41,6 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare", action="store_true", help="only the compare phase (--phases compare)")
     parser.add_argument("--steps", type=int, default=8,
                         help="compare: train steps over which the training time lost is measured")
+    parser.add_argument("--lost-pairs", type=int, default=None,
+                        help="compare: with / without pairs of step runs per method for the training "
+                             "time lost (default: --repeats)")
+    parser.add_argument("--allocator", choices=("caching", "glibc"), default="caching",
+                        help="compare: 'caching' (default) starts the ranks with glibc keeping freed "
+                             "memory (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_), as a caching "
+                             "allocator would; 'glibc' leaves glibc's defaults")
     parser.add_argument("--profile-cpu", action="store_true",
                         help="compare: per-thread CPU split (and py-spy stacks if installed) of one "
                              "dist_ckpt async save on rank 0")
@@ -48,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.phases = parse_phases(parser, "compare" if args.compare else args.phases)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    if args.lost_pairs is not None and args.lost_pairs < 1:
+        parser.error("--lost-pairs must be >= 1")
     args.state_mib = args.state_mib or (64 if args.quick else 512)
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.repeats < 3 or (args.repeats < 5 and not args.quick):
@@ -83,7 +93,8 @@ def print_header(args: argparse.Namespace, raw: dict[str, Any], walls: dict[str,
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = {"state_mib": args.state_mib, "repeats": args.repeats, "profile": args.profile,
-           "phases": args.phases, "steps": args.steps, "profile_cpu": args.profile_cpu}
+           "phases": args.phases, "steps": args.steps, "profile_cpu": args.profile_cpu,
+           "lost_pairs": args.lost_pairs, "allocator": args.allocator}
     started = time.perf_counter()
     walls: dict[str, float] = {}
     base = tempfile.mkdtemp(prefix="bench-", dir=args.dir)

@@ -114,17 +114,23 @@ SERIES = ("block", "e2e", "cpu_user", "cpu_sys", "steps_with", "steps_without", 
           "block_in_steps")
 
 
-def measure_saves(job: Job, methods: dict[str, Method], repeats: int) -> dict[str, dict[str, list[float]]]:
-    """Rounds of every method (order reversed every other round) after one warm-up save each."""
+def measure_saves(job: Job, methods: dict[str, Method], repeats: int,
+                  lost_pairs: int) -> dict[str, dict[str, list[float]]]:
+    """Rounds of every method (order reversed every other round) after one warm-up save each:
+    a standalone save in the first ``repeats`` rounds, a with / without pair of step runs in
+    the first ``lost_pairs`` (the time lost is a small difference of two long runs: it takes
+    more pairs than the standalone figures take repetitions to rise above the noise)."""
     out = {name: {key: [] for key in SERIES} for name in methods}
     job.run_steps(2)  # warm-up
     for method in methods.values():  # first saves allocate staging buffers and plans: not measured
         standalone(job, method, {key: [] for key in SERIES})
-    for index in range(repeats):
+    for index in range(max(repeats, lost_pairs)):
         order = list(methods.values())
         for method in order if index % 2 == 0 else reversed(order):
-            standalone(job, method, out[method.name])
-            lost_pair(job, method, index % 2 == 0, out[method.name])
+            if index < repeats:
+                standalone(job, method, out[method.name])
+            if index < lost_pairs:
+                lost_pair(job, method, index % 2 == 0, out[method.name])
     return out
 
 
@@ -211,7 +217,7 @@ def rank_compare(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[
     assert isinstance(sync, OurSave)
     try:
         started = time.perf_counter()
-        out["saves"] = measure_saves(job, methods, cfg["repeats"])
+        out["saves"] = measure_saves(job, methods, cfg["repeats"], cfg.get("lost_pairs") or cfg["repeats"])
         out["copy"] = copy_series(job, cfg["repeats"])
         walls["saves"] = time.perf_counter() - started
         out["generation"], dcp_dir = generation_dcp_dir(sync.root)

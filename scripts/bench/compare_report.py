@@ -53,6 +53,14 @@ def cells(ranks: list[dict[str, Any]], reshard: list[dict[str, Any]]) -> Cells:
     return out
 
 
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """First and third quartile (both the value itself for one value)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, high
+
+
 def median_of(table: Cells, row: str, name: str) -> float | None:
     values = table.get(row, {}).get(name)
     return statistics.median(values) if values else None
@@ -108,7 +116,8 @@ def cell_text(table: Cells, row: str, name: str) -> str:
 def print_compare(table: Cells, ratio_values: dict[str, dict[str, Any]], info: dict[str, Any]) -> None:
     names = [name for name in ORDER if name in info["methods"]]
     print(f"\ncompare: {info['state_mib']} MiB per rank, 2 gloo ranks, FSDP2, {info['repeats']} "
-          f"repetitions, time lost over {info['steps']} train steps (idle {info['steps_s']:.3f} s); "
+          f"repetitions, time lost over {info['steps']} train steps (idle {info['steps_s']:.3f} s) in "
+          f"{info['lost_pairs']} pairs; "
           f"medians of the slowest rank; restores warm (page cache kept for both)")
     if OUR_LAZY not in names:
         print("  (no dist_ckpt lazy column: CheckpointConfig has no `snapshot` field yet)")
@@ -119,8 +128,10 @@ def print_compare(table: Cells, ratio_values: dict[str, dict[str, Any]], info: d
     if info.get("copy_s") is not None:
         print(f"{'plain copy into preallocated buffers (s)':40s}{info['copy_s']:12.3f}")
     print(f"noise: the {info['steps']} train steps without a save took {info['steps_min_s']:.3f} to "
-          f"{info['steps_max_s']:.3f} s (median {info['steps_s']:.3f} s); a time lost smaller than "
-          f"that spread is within the run-to-run noise")
+          f"{info['steps_max_s']:.3f} s (median {info['steps_s']:.3f} s); allocator: {info['allocator']}")
+    print(f"time lost over {info['lost_pairs']} pairs, first to third quartile (s): " + "; ".join(
+        f"{SHORT[n]} {low:.3f} to {high:.3f}" for n in names
+        for low, high in [info["lost_quartiles"][n]]))
     print(f"\n{'compare target':46s} {'ours':>8s} {'ref':>8s} {'value':>8s} {'target':>9s}  result")
     for name, item in ratio_values.items():
         value = "n/a" if item["value"] is None else f"{item['value']:.3f}"
@@ -143,6 +154,9 @@ def analyse(raw: dict[str, Any], cfg: dict[str, Any]) -> tuple[Cells, Targets, d
             "methods": ranks[0]["methods"], "copy_s": statistics.median(copy),
             "steps_s": statistics.median(without), "steps_min_s": min(without),
             "steps_max_s": max(without), "lazy": ranks[0]["lazy"],
+            "lost_pairs": len(table[LOST][ranks[0]["methods"][0]]),
+            "lost_quartiles": {name: quartiles(values) for name, values in table[LOST].items()},
+            "allocator": cfg.get("allocator", "glibc default"),
             "state_bytes": ranks[0]["state_bytes"], "generation": ranks[0]["generation"]}
     return table, ratios(table, info["copy_s"]), info
 
