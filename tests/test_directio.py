@@ -37,12 +37,16 @@ def assert_holds(path: str, payload: bytes) -> None:
 
 
 def write_pieces(path: str, *, direct: bool) -> tuple[bytes, bool]:
+    """Writes a payload in odd pieces; the observer (what a digest's ``update`` is) must
+    see exactly the payload, in order, across every piece and buffer edge."""
     payload = os.urandom(sum(WRITE_SIZES))
+    observed = bytearray()
     with directio.durable_file(path, direct=direct) as sink:
         offset = 0
         for size in WRITE_SIZES:
-            sink.write(memoryview(payload)[offset:offset + size])
+            sink.write(memoryview(payload)[offset:offset + size], observed.extend)
             offset += size
+    assert bytes(observed) == payload
     return payload, sink.direct
 
 

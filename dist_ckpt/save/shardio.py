@@ -94,14 +94,13 @@ class HashingStream(io.RawIOBase):
         try:
             self._check_cancel()
             faults.hit("write.request", self._rank)  # a slow or failing disk, per request
-            self._sink.write(view)
+            self._sink.write(view, self._digest.update)
         except OSError as exc:
             # torch.save's native writer reports a failed write as "unexpected pos": keep
             # the real cause (ENOSPC, EIO) for the rank's report
             if self._on_error is not None:
                 self._on_error(exc)
             raise
-        self._digest.update(view)
         self.size += len(view)
         return len(view)
 
