@@ -141,6 +141,20 @@ def test_the_aligned_buffer_is_reused_across_files(tmp_path) -> None:
     assert buffers[0] is buffers[1]
 
 
+def large_state() -> TrainState:  # 4.5 MB of weights, 13.5 MB with Adam: whole buffers
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1100)
+    return TrainState(model, torch.optim.Adam(model.parameters()), contract={"config": "v1"})
+
+
+def save_one(root: str, state: TrainState, **options) -> None:
+    with CheckpointManager(CheckpointConfig(root=root, **options), state) as mgr:
+        state.model(torch.randn(2, 1024)).sum().backward()
+        state.optimizer.step()  # Adam's moments exist from here
+        state.optimizer.zero_grad(set_to_none=True)
+        mgr.save(1)
+
+
 def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path, monkeypatch) -> None:
     opened: list[tuple[str, bool]] = []
     real_open_sink = directio.open_sink
@@ -150,19 +164,10 @@ def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path,
         opened.append((os.path.basename(path), sink.direct))
         return sink
 
-    def large_state() -> TrainState:  # 4.5 MB of weights, 13.5 MB with Adam: whole buffers
-        torch.manual_seed(0)
-        model = torch.nn.Linear(1024, 1100)
-        return TrainState(model, torch.optim.Adam(model.parameters()), contract={"config": "v1"})
-
     monkeypatch.setattr(directio, "open_sink", recording_open_sink)
     root = str(tmp_path / "root")
     saved = large_state()
-    with CheckpointManager(CheckpointConfig(root=root, direct_io=True), saved) as mgr:
-        saved.model(torch.randn(2, 1024)).sum().backward()
-        saved.optimizer.step()  # Adam's moments exist from here
-        saved.optimizer.zero_grad(set_to_none=True)
-        mgr.save(1)
+    save_one(root, saved, direct_io=True)
     assert os.path.getsize(os.path.join(root, GEN1, "dcp", "__0_0.distcp")) > directio.CHUNK_BYTES
     assert opened and all(name.endswith(".distcp") for name, _ in opened)
     assert all(direct for _, direct in opened) == accepts_o_direct(str(tmp_path))
@@ -173,6 +178,69 @@ def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path,
     opened.clear()
     two_generations(str(tmp_path / "buffered"), direct_io=False)
     assert opened and not any(direct for _, direct in opened)
+
+
+def test_tensor_bytes_go_from_staging_buffers_to_the_disk_at_aligned_offsets(tmp_path, monkeypatch) -> None:
+    """Page-aligned staging buffers, items and storages at aligned file offsets: the tensor
+    bytes reach the kernel from the staging buffers (no copy into the write buffer), and the
+    padding this takes leaves the generation loadable by plain ``dcp.load`` and by restore.
+    (A synchronous save writes from the live tensors, wherever they lie: through the buffer.)"""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dist_ckpt.restore.records import parse_tensor_record
+
+    in_place: list[int] = []
+    real_write_in_place = directio.DirectSink._write_in_place
+
+    def recording(self, view, observe):
+        taken = real_write_in_place(self, view, observe)
+        in_place.append(taken)
+        return taken
+
+    monkeypatch.setattr(directio.DirectSink, "_write_in_place", recording)
+    root = str(tmp_path / "root")
+    saved = large_state()
+    save_one(root, saved, direct_io=True, async_save=True)  # async: written from the staging slot
+    dcp_dir = os.path.join(root, GEN1, "dcp")
+    metadata = FileSystemReader(dcp_dir).read_metadata()
+    tensor_items = 0
+    for info in metadata.storage_data.values():
+        with open(os.path.join(dcp_dir, info.relative_path), "rb") as handle:
+            handle.seek(info.offset)
+            record = parse_tensor_record(memoryview(handle.read(info.length)))
+        if record is None or record.nbytes <= 64 << 10:  # small items are packed, unaligned
+            continue
+        tensor_items += 1
+        assert info.offset % directio.ALIGN == 0
+        assert (info.offset + record.data_offset) % directio.ALIGN == 0
+    assert tensor_items == 3  # the weight and its two Adam moments
+    tensor_bytes = 3 * 1024 * 1100 * 4
+    if accepts_o_direct(str(tmp_path)):
+        assert sum(in_place) >= tensor_bytes - 3 * directio.ALIGN  # all but each last block
+    else:
+        assert sum(in_place) == 0
+    fresh = large_state()
+    load_with_plain_dcp(dcp_dir, fresh)
+    assert_same_model(fresh, saved)
+    restored = large_state()
+    with CheckpointManager(CheckpointConfig(root=root), restored) as mgr:
+        assert mgr.restore().generation == GEN1
+    assert_same_model(restored, saved)
+
+
+def test_large_staging_buffers_are_page_aligned_and_exactly_their_size() -> None:
+    from dist_ckpt.save.staging import StagingPool
+
+    slot = StagingPool(1).acquire()
+    state = {"large": torch.randn(600, 601), "small": torch.randn(7), "empty": torch.empty(0, 3)}
+    staged = slot.stage(state)
+    large = staged["large"]
+    assert large.data_ptr() % directio.ALIGN == 0
+    assert large.untyped_storage().nbytes() == large.numel() * large.element_size()
+    assert all(torch.equal(staged[key], state[key]) for key in state)
+    staged_again = slot.stage({key: value * 2 for key, value in state.items()})
+    assert staged_again["large"].data_ptr() == large.data_ptr()  # reused, not reallocated
+    assert torch.equal(staged_again["large"], state["large"] * 2)
 
 
 MOUNTINFO_LINES = [

@@ -29,11 +29,12 @@ from torch.utils.serialization import config as serialization_config
 
 from .. import faults
 from ..digests import DEFAULT_ALGORITHM, hasher
-from ..storage.directio import Sink, durable_file
+from ..storage.directio import ALIGN, Sink, durable_file
 
-_crc_lock = threading.Lock()
-_crc_off_writers = 0
-_crc_saved: bool | None = None
+_options_lock = threading.Lock()
+_options_users = 0
+_options_saved: dict[str, object] = {}
+_ZEROS = bytes(ALIGN)
 
 
 try:  # private helpers of torch's writer; without them the writer keeps DCP's own layout
@@ -44,27 +45,44 @@ except ImportError:  # pragma: no cover - another torch release
 SMALL_ITEM_BYTES = 64 << 10  # SmallItemsApartWriter: what goes to a rank's small-items file
 
 
+def _shard_options() -> dict[str, object]:
+    options: dict[str, object] = {"compute_crc32": False}
+    if hasattr(serialization_config.save, "storage_alignment"):  # torch >= 2.5
+        options["storage_alignment"] = ALIGN
+    return options
+
+
 @contextmanager
-def without_zip_crc32() -> Generator[None, None, None]:
-    """DCP stores each tensor as a ``torch.save`` zip whose writer computes a CRC32 of every
-    byte (about 2 GB/s on one core: as much CPU as the BLAKE3 digest). The file digest already
-    covers every byte, so the CRC is skipped while shard files are written; ``torch.load``
-    (and so ``dcp.load``) does not check it. The switch is torch's process-wide
-    ``torch.utils.serialization.config.save.compute_crc32``: a ``torch.save`` that another
-    thread runs meanwhile writes a zip without CRC32 too (``torch.load`` reads it the same)."""
-    global _crc_off_writers, _crc_saved
-    with _crc_lock:
-        if _crc_off_writers == 0:
-            _crc_saved = serialization_config.save.compute_crc32
-            serialization_config.save.compute_crc32 = False
-        _crc_off_writers += 1
+def shard_serialization() -> Generator[None, None, None]:
+    """How ``torch.save`` writes DCP's tensor records while shard files are written.
+
+    - No CRC32: the zip writer's CRC of every byte costs about as much CPU as the BLAKE3
+      digest (2 GB/s on one core), and the file digest covers every byte already;
+      ``torch.load`` (and so ``dcp.load``) does not check it.
+    - Each storage's bytes at a multiple of ``ALIGN`` inside its record (torch's default is
+      64), so that with the record itself at an aligned file offset (``HashingStream``) a
+      page-aligned staging buffer goes to a direct sink without a copy. Each record grows by
+      at most ``ALIGN`` bytes of padding; any zip reader (``torch.load``) skips it.
+
+    Both are torch's process-wide ``torch.utils.serialization.config.save`` settings: a
+    ``torch.save`` that another thread runs meanwhile is written the same way (still a valid
+    file that ``torch.load`` reads). Restored when the last concurrent writer is done."""
+    global _options_users
+    with _options_lock:
+        if _options_users == 0:
+            for name, value in _shard_options().items():
+                _options_saved[name] = getattr(serialization_config.save, name)
+                setattr(serialization_config.save, name, value)
+        _options_users += 1
     try:
         yield
     finally:
-        with _crc_lock:
-            _crc_off_writers -= 1
-            if _crc_off_writers == 0 and _crc_saved is not None:
-                serialization_config.save.compute_crc32 = _crc_saved
+        with _options_lock:
+            _options_users -= 1
+            if _options_users == 0:
+                for name, value in _options_saved.items():
+                    setattr(serialization_config.save, name, value)
+                _options_saved.clear()
 
 
 class SaveAbandoned(OSError):
@@ -73,11 +91,18 @@ class SaveAbandoned(OSError):
 
 class HashingStream(io.RawIOBase):
     """A write-only stream over a :class:`~dist_ckpt.storage.directio.Sink` that hashes each byte on its way
-    and counts them (``tell`` is the count: DCP records each item's offset with it)."""
+    and counts them (``tell`` is the count: DCP records each item's offset with it).
+
+    ``align_items``: each item starts at a multiple of ``ALIGN`` in the file (zero bytes
+    before it, which no item covers), so that its storage bytes, aligned inside the record
+    (``shard_serialization``), are aligned in the file too. DCP's writer calls ``tell`` twice
+    per item, before its first byte and after its last; a ``tell`` with no write since the
+    previous one (or the first) is an item's start, and only there is padding added: an
+    empty item's end is already aligned, so no item's recorded length ever covers padding."""
 
     def __init__(self, sink: Sink, on_error: Any = None,
                  cancel: threading.Event | None = None, rank: int | None = None,
-                 algorithm: str = DEFAULT_ALGORITHM) -> None:
+                 algorithm: str = DEFAULT_ALGORITHM, *, align_items: bool = False) -> None:
         super().__init__()
         self._sink = sink
         self._digest = hasher(algorithm)
@@ -85,6 +110,8 @@ class HashingStream(io.RawIOBase):
         self._on_error = on_error
         self._cancel = cancel
         self._rank = rank
+        self._align_items = align_items
+        self._wrote_since_tell = False
 
     def writable(self) -> bool:
         return True
@@ -102,6 +129,7 @@ class HashingStream(io.RawIOBase):
                 self._on_error(exc)
             raise
         self.size += len(view)
+        self._wrote_since_tell = True
         return len(view)
 
     def _check_cancel(self) -> None:
@@ -109,7 +137,19 @@ class HashingStream(io.RawIOBase):
             raise SaveAbandoned("the commit deadline passed: remaining writes abandoned")
 
     def tell(self) -> int:
+        if self._align_items and not self._wrote_since_tell and self.size % ALIGN:
+            self._pad(ALIGN - self.size % ALIGN)
+        self._wrote_since_tell = False
         return self.size
+
+    def _pad(self, count: int) -> None:
+        try:
+            self._sink.write(memoryview(_ZEROS)[:count], self._digest.update)
+        except OSError as exc:
+            if self._on_error is not None:
+                self._on_error(exc)
+            raise
+        self.size += count
 
     def flush(self) -> None:
         pass  # a direct sink writes whole aligned blocks only; durable_file finishes the rest
@@ -123,7 +163,8 @@ class HashingStream(io.RawIOBase):
 
 class HashingFileSystem(FileSystem):
     """DCP filesystem whose write streams record (size, digest) per file path; ``direct``
-    writes the files past the page cache where the filesystem allows (``directio``)."""
+    writes the files past the page cache where the filesystem allows (``directio``), each
+    item of a file not named in ``unaligned`` at an aligned offset (``HashingStream``)."""
 
     def __init__(self, cancel: threading.Event | None = None, rank: int | None = None,
                  algorithm: str = DEFAULT_ALGORITHM, *, direct: bool = False) -> None:
@@ -135,6 +176,7 @@ class HashingFileSystem(FileSystem):
         self.cancel = cancel
         self.rank = rank
         self.created: list[str] = []  # every file opened for writing, for cleanup on failure
+        self.unaligned: set[str] = set()  # file names whose items are packed (small items)
         self._lock = threading.Lock()
 
     @contextmanager
@@ -145,12 +187,13 @@ class HashingFileSystem(FileSystem):
             return
         with self._lock:
             self.created.append(os.fspath(path))
+        name = os.path.basename(os.fspath(path))
         with durable_file(os.fspath(path), direct=self.direct) as sink:
             stream = HashingStream(sink, on_error=self.errors.append, cancel=self.cancel, rank=self.rank,
-                                   algorithm=self.algorithm)
+                                   algorithm=self.algorithm,
+                                   align_items=sink.direct and name not in self.unaligned)
             yield stream
             stream._check_cancel()  # no tail, no fsync of a doomed file either
-        name = os.path.basename(os.fspath(path))
         with self._lock:
             self.digests[name] = (stream.size, stream.hexdigest())
 
@@ -176,6 +219,8 @@ class SmallItemsApartWriter(FileSystemWriter):
         files: queue.Queue = queue.Queue()
         for index, bucket in enumerate([*buckets, small] if small else buckets):
             name = f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}"
+            if bucket is small and isinstance(self.fs, HashingFileSystem):
+                self.fs.unaligned.add(name)  # padding each small item would bloat the file
             files.put((self.fs.concat_path(self.path, name), name, bucket))
         return self._write_data(planner, files)
 

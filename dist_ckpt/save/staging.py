@@ -2,8 +2,9 @@
 
 ``state_dict()`` returns live references; an asynchronous writer must read from a copy the
 training loop cannot touch. The pool holds ``slots`` copies (the in-flight bound): each slot
-keeps one buffer per tensor, allocated on first use (pinned when the source is on CUDA) and
-reused while the layout is unchanged.
+keeps one buffer per tensor, allocated on first use (pinned when the source is on CUDA,
+page-aligned when it is a large CPU tensor: see ``_allocate``) and reused while the layout is
+unchanged.
 
 ``stage`` copies at once (the eager snapshot). ``mirror`` builds the staged structure without
 the data of the tensors a ``defer`` predicate picks and returns them as (buffer, source) pairs,
@@ -25,6 +26,7 @@ from .. import faults
 from ..errors import StagingError
 from ..protocol.comm import PendingGather
 from ..restart.tree import walk
+from ..storage.directio import IN_PLACE_MIN, aligned_empty
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, live source): a copy still to do
 
@@ -112,8 +114,7 @@ class StagingSlot:
             if buffer is not None:
                 self.pool._account(-self._bytes(buffer))
             try:
-                buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
-                                     pin_memory=source.is_cuda)
+                buffer = _allocate(source)
             except RuntimeError as exc:
                 raise StagingError(f"cannot allocate staging buffer for {path}: {exc}") from exc
             self.buffers[path] = buffer
@@ -129,6 +130,20 @@ class StagingSlot:
     @staticmethod
     def _bytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
+
+
+def _allocate(source: torch.Tensor) -> torch.Tensor:
+    """A staging buffer for ``source``: pinned for a CUDA source (page-aligned already); for a
+    CPU source of at least ``IN_PLACE_MIN`` bytes, page-aligned memory of exactly its size,
+    which a direct shard write sends to the disk from where it lies (no copy into the write
+    buffer). One mapping per such buffer: if the process runs out of mappings, the buffer
+    is an ordinary one (its bytes then take the copy)."""
+    if not source.is_cuda and source.numel() * source.element_size() >= IN_PLACE_MIN:
+        try:
+            return aligned_empty(source.shape, source.dtype)
+        except OSError:  # ENOMEM: vm.max_map_count reached
+            pass
+    return torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda)
 
 
 class StagingPool:

@@ -7,11 +7,14 @@ for the same bytes written with ``O_DIRECT`` from a reused buffer). A checkpoint
 again only after a failure, so keeping it in the page cache buys little.
 
 ``O_DIRECT`` needs the memory address, the file offset and the length of every write aligned
-to the device's logical block. DCP's files are ``torch.save`` records at whatever offsets they
-fall on, so the bytes go through one aligned buffer per open file (``CHUNK_BYTES``, from a
-pool reused across saves) that is written whole; the file's last partial block is written
-after clearing ``O_DIRECT``. A filesystem that refuses ``O_DIRECT`` (at ``open`` or at the
-first write: ``EINVAL``) gets the same bytes buffered.
+to the device's logical block. Bytes that arrive unaligned go through one aligned
+buffer per open file (``CHUNK_BYTES``, from a pool reused across saves) that is written whole;
+the file's last partial block is written after clearing ``O_DIRECT``. A large write whose
+memory and file offset are both aligned (a page-aligned staging buffer's tensor bytes, which
+the shard writer places at aligned offsets: ``save.shardio``) goes to the kernel from where
+it lies, without that copy; only its last partial block takes the buffer. A filesystem that
+refuses ``O_DIRECT`` (at ``open`` or at the first write: ``EINVAL``) gets the same bytes
+buffered.
 
 Call order, on the writing thread of one file: ``open_sink`` -> ``write`` ... -> ``finish``
 (every byte handed to the kernel) -> ``fileno`` for the caller's fsync -> ``close``;
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import mmap
 import os
 import re
@@ -31,6 +35,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 import numpy as np
+import torch
 
 # where direct_io="auto" writes past the page cache: local block-device filesystems. Elsewhere
 # (NFS, FUSE, overlay, tmpfs, ...) O_DIRECT is refused, slower (every write a synchronous
@@ -44,6 +49,7 @@ ALIGN = 4096  # a multiple of every logical block size Linux reports (512 or 409
 CHUNK_BYTES = 8 << 20  # one O_DIRECT write; big enough that the device sees large requests
 _OBSERVE_PIECE = 1 << 20  # fits a core's L2 with room to spare
 _COPY_WITH_NUMPY = 64 << 10  # numpy's copy releases the GIL; a memoryview copy holds it
+IN_PLACE_MIN = 1 << 20  # smaller aligned writes still take the buffer (fewer, larger requests)
 
 
 Observer = Callable[[memoryview], object]
@@ -129,7 +135,7 @@ class DirectSink:
         self._filled = 0
 
     def write(self, view: memoryview, observe: Observer | None = None) -> None:
-        taken = 0
+        taken = self._write_in_place(view, observe)
         while taken < len(view):
             # a piece small enough to stay in the CPU cache between its copy and its observer,
             # which reads the copy: the source is read from memory once, not twice
@@ -146,6 +152,21 @@ class DirectSink:
             if self._filled == CHUNK_BYTES:
                 self._write_out(self._view[:CHUNK_BYTES])
                 self._filled = 0
+
+    def _write_in_place(self, view: memoryview, observe: Observer | None) -> int:
+        """Write the whole blocks of ``view`` straight from its memory when its address and
+        its file offset are aligned; returns how many bytes were written (0: none)."""
+        if (not self.direct or len(view) < IN_PLACE_MIN
+                or (self._written + self._filled) % ALIGN or address(view) % ALIGN):
+            return 0
+        if self._filled:  # whole blocks: the file offset after them is aligned
+            self._write_out(self._view[:self._filled])
+            self._filled = 0
+        blocks = len(view) - len(view) % ALIGN
+        self._write_out(view[:blocks])
+        if observe is not None:
+            observe(view[:blocks])
+        return blocks
 
     def finish(self) -> None:
         aligned = self._filled - self._filled % ALIGN
@@ -242,6 +263,24 @@ def resolve_direct_io(setting: bool | str, path: str) -> bool:
     if setting == "auto":
         return filesystem_type(path) in DIRECT_IO_FILESYSTEMS
     return bool(setting)
+
+
+def aligned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose bytes start on a page and whose storage is exactly its
+    bytes (DCP clones a tensor whose storage is larger), so that a direct sink can write them
+    without copying (the shard writer puts them at aligned file offsets). Private anonymous
+    memory: a forked child gets its own copy, never these pages."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor keeps the mapping alive; it is unmapped when the tensor is freed
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def address(view: memoryview) -> int:
+    """The memory address of a contiguous buffer's first byte."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
 
 
 def open_sink(path: str, *, direct: bool) -> Sink:
