@@ -74,7 +74,8 @@ class CheckpointConfig(BaseModel):
                     "either kind verify whatever this is set to.")
     direct_io: bool | Literal["auto"] = Field(
         default="auto",
-        description="Write shard files past the page cache (`O_DIRECT`, through an aligned buffer reused "
+        description="Write shard files past the page cache (`O_DIRECT`: large tensors straight from their "
+                    "page-aligned staging buffers, everything else through an aligned buffer reused "
                     "across saves), which saves the kernel's copy and writeback work: `auto` (default) "
                     "does so on a root on a local disk filesystem (ext4, xfs, btrfs, f2fs) and writes "
                     "buffered elsewhere (NFS, FUSE, overlay); `True` tries it on any local root, "
