@@ -181,9 +181,10 @@ def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path,
 
 
 def test_tensor_bytes_go_from_staging_buffers_to_the_disk_at_aligned_offsets(tmp_path, monkeypatch) -> None:
-    """Page-aligned staging buffers, items and storages at aligned file offsets: the tensor
-    bytes reach the kernel from the staging buffers (no copy into the write buffer), and the
-    padding this takes leaves the generation loadable by plain ``dcp.load`` and by restore.
+    """Page-aligned staging buffers, each large item placed so that its tensor bytes start at
+    an aligned file offset: they reach the kernel from the staging buffers (no copy into the
+    write buffer), and the padding this takes leaves the generation loadable by plain
+    ``dcp.load`` and by restore.
     (A synchronous save writes from the live tensors, wherever they lie: through the buffer.)"""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -211,8 +212,7 @@ def test_tensor_bytes_go_from_staging_buffers_to_the_disk_at_aligned_offsets(tmp
         if record is None or record.nbytes <= 64 << 10:  # small items are packed, unaligned
             continue
         tensor_items += 1
-        assert info.offset % directio.ALIGN == 0
-        assert (info.offset + record.data_offset) % directio.ALIGN == 0
+        assert (info.offset + record.data_offset) % directio.ALIGN == 0  # the tensor's bytes
     assert tensor_items == 3  # the weight and its two Adam moments
     tensor_bytes = 3 * 1024 * 1100 * 4
     if accepts_o_direct(str(tmp_path)):
@@ -226,6 +226,38 @@ def test_tensor_bytes_go_from_staging_buffers_to_the_disk_at_aligned_offsets(tmp
     with CheckpointManager(CheckpointConfig(root=root), restored) as mgr:
         assert mgr.restore().generation == GEN1
     assert_same_model(restored, saved)
+
+
+def test_a_wrong_guess_of_where_a_record_keeps_its_bytes_costs_one_copy_only(tmp_path, monkeypatch) -> None:
+    """The first large item placed with a wrong guess goes through the write buffer; the
+    next ones use what it taught; small items stay packed back to back in their own file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dist_ckpt.restore.records import parse_tensor_record
+    from dist_ckpt.save import shardio
+
+    monkeypatch.setattr(shardio, "_storage_offset_guess", 1)
+    root = str(tmp_path / "root")
+    saved = large_state()
+    save_one(root, saved, direct_io=True, async_save=True)
+    dcp_dir = os.path.join(root, GEN1, "dcp")
+    items = sorted(FileSystemReader(dcp_dir).read_metadata().storage_data.values(),
+                   key=lambda info: (info.relative_path, info.offset))
+    aligned = []
+    for info in items:
+        with open(os.path.join(dcp_dir, info.relative_path), "rb") as handle:
+            handle.seek(info.offset)
+            record = parse_tensor_record(memoryview(handle.read(info.length)))
+        if record is not None and record.nbytes > 64 << 10:
+            aligned.append((info.offset + record.data_offset) % directio.ALIGN == 0)
+    if accepts_o_direct(str(tmp_path)):
+        assert aligned == [False, True, True]
+    small = [info for info in items if info.relative_path != items[0].relative_path]
+    assert small and all(after.offset == before.offset + before.length
+                         for before, after in zip(small, small[1:], strict=False))
+    fresh = large_state()
+    load_with_plain_dcp(dcp_dir, fresh)
+    assert_same_model(fresh, saved)
 
 
 def test_large_staging_buffers_are_page_aligned_and_exactly_their_size() -> None:

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -29,12 +30,13 @@ from torch.utils.serialization import config as serialization_config
 
 from .. import faults
 from ..digests import DEFAULT_ALGORITHM, hasher
-from ..storage.directio import ALIGN, Sink, durable_file
+from ..storage.directio import ALIGN, IN_PLACE_MIN, Sink, address, durable_file
 
-_options_lock = threading.Lock()
-_options_users = 0
-_options_saved: dict[str, object] = {}
+_crc_lock = threading.Lock()
+_crc_off_writers = 0
+_crc_saved: bool | None = None
 _ZEROS = bytes(ALIGN)
+_storage_offset_guess: int | None = None  # learned from the last large item written (any stream)
 
 
 try:  # private helpers of torch's writer; without them the writer keeps DCP's own layout
@@ -45,44 +47,53 @@ except ImportError:  # pragma: no cover - another torch release
 SMALL_ITEM_BYTES = 64 << 10  # SmallItemsApartWriter: what goes to a rank's small-items file
 
 
-def _shard_options() -> dict[str, object]:
-    options: dict[str, object] = {"compute_crc32": False}
-    if hasattr(serialization_config.save, "storage_alignment"):  # torch >= 2.5
-        options["storage_alignment"] = ALIGN
-    return options
-
-
 @contextmanager
 def shard_serialization() -> Generator[None, None, None]:
-    """How ``torch.save`` writes DCP's tensor records while shard files are written.
-
-    - No CRC32: the zip writer's CRC of every byte costs about as much CPU as the BLAKE3
-      digest (2 GB/s on one core), and the file digest covers every byte already;
-      ``torch.load`` (and so ``dcp.load``) does not check it.
-    - Each storage's bytes at a multiple of ``ALIGN`` inside its record (torch's default is
-      64), so that with the record itself at an aligned file offset (``HashingStream``) a
-      page-aligned staging buffer goes to a direct sink without a copy. Each record grows by
-      at most ``ALIGN`` bytes of padding; any zip reader (``torch.load``) skips it.
-
-    Both are torch's process-wide ``torch.utils.serialization.config.save`` settings: a
-    ``torch.save`` that another thread runs meanwhile is written the same way (still a valid
-    file that ``torch.load`` reads). Restored when the last concurrent writer is done."""
-    global _options_users
-    with _options_lock:
-        if _options_users == 0:
-            for name, value in _shard_options().items():
-                _options_saved[name] = getattr(serialization_config.save, name)
-                setattr(serialization_config.save, name, value)
-        _options_users += 1
+    """DCP stores each tensor as a ``torch.save`` zip whose writer computes a CRC32 of every
+    byte (about 2 GB/s on one core: as much CPU as the BLAKE3 digest). The file digest already
+    covers every byte, so the CRC is skipped while shard files are written; ``torch.load``
+    (and so ``dcp.load``) does not check it. The switch is torch's process-wide
+    ``torch.utils.serialization.config.save.compute_crc32``: a ``torch.save`` that another
+    thread runs meanwhile writes a zip without CRC32 too (``torch.load`` reads it the same).
+    Restored when the last concurrent writer is done."""
+    global _crc_off_writers, _crc_saved
+    with _crc_lock:
+        if _crc_off_writers == 0:
+            _crc_saved = serialization_config.save.compute_crc32
+            serialization_config.save.compute_crc32 = False
+        _crc_off_writers += 1
     try:
         yield
     finally:
-        with _options_lock:
-            _options_users -= 1
-            if _options_users == 0:
-                for name, value in _options_saved.items():
-                    setattr(serialization_config.save, name, value)
-                _options_saved.clear()
+        with _crc_lock:
+            _crc_off_writers -= 1
+            if _crc_off_writers == 0 and _crc_saved is not None:
+                serialization_config.save.compute_crc32 = _crc_saved
+
+
+def _storage_offset_in_record() -> int:
+    """Where ``torch.save`` puts a small 2-D tensor's bytes inside its record: the first guess
+    of ``HashingStream`` before it has seen a large item (the same for most tensors: torch
+    aligns the storage record to 64 bytes, which absorbs small differences in the pickle)."""
+    probe = torch.zeros(2, 2)
+    found: list[int] = []
+
+    class Counting(io.RawIOBase):
+        position = 0
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:  # type: ignore[override]
+            view = memoryview(data)
+            if len(view) == probe.nbytes and address(view) == probe.data_ptr():
+                found.append(self.position)
+            self.position += len(view)
+            return len(view)
+
+    with shard_serialization():
+        torch.save(probe, Counting())
+    return found[0] if found else 0
 
 
 class SaveAbandoned(OSError):
@@ -93,12 +104,15 @@ class HashingStream(io.RawIOBase):
     """A write-only stream over a :class:`~dist_ckpt.storage.directio.Sink` that hashes each byte on its way
     and counts them (``tell`` is the count: DCP records each item's offset with it).
 
-    ``align_items``: each item starts at a multiple of ``ALIGN`` in the file (zero bytes
-    before it, which no item covers), so that its storage bytes, aligned inside the record
-    (``shard_serialization``), are aligned in the file too. DCP's writer calls ``tell`` twice
-    per item, before its first byte and after its last; a ``tell`` with no write since the
-    previous one (or the first) is an item's start, and only there is padding added: an
-    empty item's end is already aligned, so no item's recorded length ever covers padding."""
+    ``align_items``: each item is placed (zero bytes before it, which no item covers) so that
+    its storage bytes, which lie a few hundred bytes into its ``torch.save`` record, start at
+    a multiple of ``ALIGN`` in the file: a direct sink then writes them from the page-aligned
+    staging buffer without a copy. Where they lie in the record is learned from the last
+    large item (a first guess from a probe); a wrong guess only costs that item the copy.
+    DCP's writer calls ``tell`` twice per item, before its first byte and after its last; a
+    ``tell`` with no write since the previous one (or the first) is an item's start, and only
+    there is padding added: an empty item's end is where its start was placed, so no item's
+    recorded length ever covers padding."""
 
     def __init__(self, sink: Sink, on_error: Any = None,
                  cancel: threading.Event | None = None, rank: int | None = None,
@@ -112,6 +126,7 @@ class HashingStream(io.RawIOBase):
         self._rank = rank
         self._align_items = align_items
         self._wrote_since_tell = False
+        self._item_start: int | None = None  # of the item being written, while it is unmeasured
 
     def writable(self) -> bool:
         return True
@@ -128,6 +143,9 @@ class HashingStream(io.RawIOBase):
             if self._on_error is not None:
                 self._on_error(exc)
             raise
+        if self._item_start is not None and len(view) >= IN_PLACE_MIN:
+            _learn_storage_offset(self.size - self._item_start)  # the item's storage bytes
+            self._item_start = None
         self.size += len(view)
         self._wrote_since_tell = True
         return len(view)
@@ -137,8 +155,11 @@ class HashingStream(io.RawIOBase):
             raise SaveAbandoned("the commit deadline passed: remaining writes abandoned")
 
     def tell(self) -> int:
-        if self._align_items and not self._wrote_since_tell and self.size % ALIGN:
-            self._pad(ALIGN - self.size % ALIGN)
+        if self._align_items and not self._wrote_since_tell:  # an item's start
+            padding = -(self.size + storage_offset_guess()) % ALIGN
+            if padding:
+                self._pad(padding)
+            self._item_start = self.size
         self._wrote_since_tell = False
         return self.size
 
@@ -159,6 +180,18 @@ class HashingStream(io.RawIOBase):
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
+
+
+def storage_offset_guess() -> int:
+    global _storage_offset_guess
+    if _storage_offset_guess is None:
+        _storage_offset_guess = _storage_offset_in_record()
+    return _storage_offset_guess
+
+
+def _learn_storage_offset(offset: int) -> None:
+    global _storage_offset_guess
+    _storage_offset_guess = offset  # one int: what another writer thread reads is either value
 
 
 class HashingFileSystem(FileSystem):

@@ -274,7 +274,8 @@ def aligned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # the tensor keeps the mapping alive; it is unmapped when the tensor is freed
+    # the tensor holds the only reference: the mapping is unmapped when the last tensor over it
+    # is freed. ``region`` must never escape: its close() would unmap memory a tensor still uses
     return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
