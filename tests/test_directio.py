@@ -260,6 +260,35 @@ def test_a_wrong_guess_of_where_a_record_keeps_its_bytes_costs_one_copy_only(tmp
     assert_same_model(fresh, saved)
 
 
+def test_an_empty_item_never_covers_padding(monkeypatch) -> None:
+    """DCP's pattern: tell (start), writes, tell (end). An item with no writes, even with the
+    guess changed by another writer in between, records length 0; the next item is placed."""
+    from dist_ckpt.save import shardio
+
+    class Collect:
+        direct = True
+        data = bytearray()
+
+        def write(self, view, observe=None):
+            self.data.extend(view)
+            if observe is not None:
+                observe(view)
+
+    monkeypatch.setattr(shardio, "_storage_offset_guess", 100)
+    stream = shardio.HashingStream(Collect(), align_items=True)  # type: ignore[arg-type]
+    stream.write(b"x" * 10)
+    assert stream.tell() == 10  # an item's end: never padded
+    start = stream.tell()  # the next item's start: placed
+    assert (start + 100) % directio.ALIGN == 0
+    monkeypatch.setattr(shardio, "_storage_offset_guess", 7)  # another writer learned
+    assert stream.tell() == start  # the empty item's end: length 0
+    assert stream.tell() == start  # the next item's start, at the same offset: placed once only
+    stream.write(b"y")
+    stream.tell()  # its end
+    assert (stream.tell() + 7) % directio.ALIGN == 0  # the item after is placed anew
+    assert bytes(Collect.data) == b"x" * 10 + bytes(start - 10) + b"y" + bytes(stream.size - start - 1)
+
+
 def test_large_staging_buffers_are_page_aligned_and_exactly_their_size() -> None:
     from dist_ckpt.save.staging import StagingPool
 

@@ -111,8 +111,8 @@ class HashingStream(io.RawIOBase):
     large item (a first guess from a probe); a wrong guess only costs that item the copy.
     DCP's writer calls ``tell`` twice per item, before its first byte and after its last; a
     ``tell`` with no write since the previous one (or the first) is an item's start, and only
-    there is padding added: an empty item's end is where its start was placed, so no item's
-    recorded length ever covers padding."""
+    there is padding added, once per offset: an empty item's end is where its start was
+    placed, so no item's recorded length ever covers padding."""
 
     def __init__(self, sink: Sink, on_error: Any = None,
                  cancel: threading.Event | None = None, rank: int | None = None,
@@ -155,7 +155,9 @@ class HashingStream(io.RawIOBase):
             raise SaveAbandoned("the commit deadline passed: remaining writes abandoned")
 
     def tell(self) -> int:
-        if self._align_items and not self._wrote_since_tell:  # an item's start
+        # an item's start; never twice at one offset (an empty item's end: another thread's
+        # item may have changed the guess meanwhile, and its length must stay 0)
+        if self._align_items and not self._wrote_since_tell and self._item_start != self.size:
             padding = -(self.size + storage_offset_guess()) % ALIGN
             if padding:
                 self._pad(padding)
