@@ -42,7 +42,7 @@ from ..tiers.base import remove_own_files
 from .commit import commit
 from .priority import lower_thread_priority
 from .request import SaveJob, SaveRequest
-from .shardio import SaveAbandoned, hashing_writer, shard_serialization
+from .shardio import SaveAbandoned, hashing_writer, without_zip_crc32
 
 __all__ = ["SaveJob", "SaveRequest", "StoreKeyRetirer", "run_save", "run_save_in_background"]
 
@@ -103,7 +103,7 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
     writer, filesystem = hashing_writer(dcp_dir, thread_count=io_threads, cancel=cancel, rank=rank,
                                         algorithm=algorithm, direct=request.attempt.direct_io)
     try:
-        with shard_serialization():  # no zip CRC32 (the digest covers it), aligned storages
+        with without_zip_crc32():  # the file digest covers every byte already
             results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()
         if cancel.is_set():
             raise SaveAbandoned("the commit deadline passed while writing: not finished")

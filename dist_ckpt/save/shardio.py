@@ -48,14 +48,13 @@ SMALL_ITEM_BYTES = 64 << 10  # SmallItemsApartWriter: what goes to a rank's smal
 
 
 @contextmanager
-def shard_serialization() -> Generator[None, None, None]:
+def without_zip_crc32() -> Generator[None, None, None]:
     """DCP stores each tensor as a ``torch.save`` zip whose writer computes a CRC32 of every
     byte (about 2 GB/s on one core: as much CPU as the BLAKE3 digest). The file digest already
     covers every byte, so the CRC is skipped while shard files are written; ``torch.load``
     (and so ``dcp.load``) does not check it. The switch is torch's process-wide
     ``torch.utils.serialization.config.save.compute_crc32``: a ``torch.save`` that another
-    thread runs meanwhile writes a zip without CRC32 too (``torch.load`` reads it the same).
-    Restored when the last concurrent writer is done."""
+    thread runs meanwhile writes a zip without CRC32 too (``torch.load`` reads it the same)."""
     global _crc_off_writers, _crc_saved
     with _crc_lock:
         if _crc_off_writers == 0:
@@ -91,7 +90,7 @@ def _storage_offset_in_record() -> int:
             self.position += len(view)
             return len(view)
 
-    with shard_serialization():
+    with without_zip_crc32():
         torch.save(probe, Counting())
     return found[0] if found else 0
 
