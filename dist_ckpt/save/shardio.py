@@ -132,16 +132,7 @@ class HashingStream(io.RawIOBase):
 
     def write(self, data: Any) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
-        try:
-            self._check_cancel()
-            faults.hit("write.request", self._rank)  # a slow or failing disk, per request
-            self._sink.write(view, self._digest.update)
-        except OSError as exc:
-            # torch.save's native writer reports a failed write as "unexpected pos": keep
-            # the real cause (ENOSPC, EIO) for the rank's report
-            if self._on_error is not None:
-                self._on_error(exc)
-            raise
+        self._send(view, request=True)
         if self._item_start is not None and len(view) >= IN_PLACE_MIN:
             _learn_storage_offset(self.size - self._item_start)  # the item's storage bytes
             self._item_start = None
@@ -165,13 +156,23 @@ class HashingStream(io.RawIOBase):
         return self.size
 
     def _pad(self, count: int) -> None:
+        self._send(memoryview(_ZEROS)[:count], request=False)
+        self.size += count
+
+    def _send(self, view: memoryview, *, request: bool) -> None:
+        """Hand ``view`` to the sink and the digest; ``request``: one of DCP's write requests
+        (cancellable, and where a slow or failing disk is injected), not padding."""
         try:
-            self._sink.write(memoryview(_ZEROS)[:count], self._digest.update)
+            if request:
+                self._check_cancel()
+                faults.hit("write.request", self._rank)  # a slow or failing disk, per request
+            self._sink.write(view, self._digest.update)
         except OSError as exc:
+            # torch.save's native writer reports a failed write as "unexpected pos": keep
+            # the real cause (ENOSPC, EIO) for the rank's report
             if self._on_error is not None:
                 self._on_error(exc)
             raise
-        self.size += count
 
     def flush(self) -> None:
         pass  # a direct sink writes whole aligned blocks only; durable_file finishes the rest
