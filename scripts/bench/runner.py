@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
+from unittest import mock
 
 from .commit_scale import commit_scale
 from .compare import rank_compare, rank_compare_reshard
@@ -55,22 +56,10 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[str
 CACHING_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
-@contextmanager
-def rank_environment(cfg: dict[str, Any]) -> Iterator[None]:
-    """The environment the compare ranks start with (spawned processes read it at start)."""
-    if cfg.get("allocator") != "caching":
-        yield
-        return
-    saved = {name: os.environ.get(name) for name in CACHING_MALLOC_ENV}
-    os.environ.update(CACHING_MALLOC_ENV)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def rank_environment(cfg: dict[str, Any]) -> AbstractContextManager:
+    """The environment the compare ranks start with (spawned processes read it at start),
+    restored afterwards."""
+    return mock.patch.dict(os.environ, CACHING_MALLOC_ENV if cfg.get("allocator") == "caching" else {})
 
 
 def run_compare(cfg: dict[str, Any], base: str, timed_run: Callable[[str, Callable[[], Any]], Any]

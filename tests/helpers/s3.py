@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from unittest import mock
 
 from dist_ckpt.testing import free_port
 
@@ -31,23 +32,14 @@ def moto_endpoint() -> Iterator[str]:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError("moto_server did not start") from None
                 time.sleep(0.05)  # polling a port that is coming up, bounded by the deadline
-        saved = {k: os.environ.get(k) for k in _ENV}
-        os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
-        try:
+        with mock.patch.dict(os.environ, {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                                          "AWS_SECRET_ACCESS_KEY": "testing",
+                                          "AWS_DEFAULT_REGION": "us-east-1"}):
             yield endpoint
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     finally:
         proc.terminate()
         proc.wait(timeout=10)
 
-
-_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
 
 
 def new_bucket() -> str:
