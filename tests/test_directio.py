@@ -180,16 +180,31 @@ def test_a_local_generation_is_written_direct_and_loads_with_plain_dcp(tmp_path,
     assert opened and not any(direct for _, direct in opened)
 
 
+def large_item_alignment(dcp_dir: str) -> tuple[list, list[bool]]:
+    """Every item of a generation's DCP files in file order, and for each tensor item of more
+    than 64 KiB (the small ones are packed) whether its bytes start at an aligned offset."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dist_ckpt.restore.records import parse_tensor_record
+
+    items = sorted(FileSystemReader(dcp_dir).read_metadata().storage_data.values(),
+                   key=lambda info: (info.relative_path, info.offset))
+    aligned = []
+    for info in items:
+        with open(os.path.join(dcp_dir, info.relative_path), "rb") as handle:
+            handle.seek(info.offset)
+            record = parse_tensor_record(memoryview(handle.read(info.length)))
+        if record is not None and record.nbytes > 64 << 10:
+            aligned.append((info.offset + record.data_offset) % directio.ALIGN == 0)
+    return items, aligned
+
+
 def test_tensor_bytes_go_from_staging_buffers_to_the_disk_at_aligned_offsets(tmp_path, monkeypatch) -> None:
     """Page-aligned staging buffers, each large item placed so that its tensor bytes start at
     an aligned file offset: they reach the kernel from the staging buffers (no copy into the
     write buffer), and the padding this takes leaves the generation loadable by plain
     ``dcp.load`` and by restore.
     (A synchronous save writes from the live tensors, wherever they lie: through the buffer.)"""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from dist_ckpt.restore.records import parse_tensor_record
-
     in_place: list[int] = []
     real_write_in_place = directio.DirectSink._write_in_place
 
@@ -203,19 +218,11 @@ def test_tensor_bytes_go_from_staging_buffers_to_the_disk_at_aligned_offsets(tmp
     saved = large_state()
     save_one(root, saved, direct_io=True, async_save=True)  # async: written from the staging slot
     dcp_dir = os.path.join(root, GEN1, "dcp")
-    metadata = FileSystemReader(dcp_dir).read_metadata()
-    tensor_items = 0
-    for info in metadata.storage_data.values():
-        with open(os.path.join(dcp_dir, info.relative_path), "rb") as handle:
-            handle.seek(info.offset)
-            record = parse_tensor_record(memoryview(handle.read(info.length)))
-        if record is None or record.nbytes <= 64 << 10:  # small items are packed, unaligned
-            continue
-        tensor_items += 1
-        assert (info.offset + record.data_offset) % directio.ALIGN == 0  # the tensor's bytes
-    assert tensor_items == 3  # the weight and its two Adam moments
+    _, aligned = large_item_alignment(dcp_dir)
+    assert len(aligned) == 3  # the weight and its two Adam moments
     tensor_bytes = 3 * 1024 * 1100 * 4
     if accepts_o_direct(str(tmp_path)):
+        assert aligned == [True, True, True]
         assert sum(in_place) >= tensor_bytes - 3 * directio.ALIGN  # all but each last block
     else:
         assert sum(in_place) == 0
@@ -231,9 +238,6 @@ def test_tensor_bytes_go_from_staging_buffers_to_the_disk_at_aligned_offsets(tmp
 def test_a_wrong_guess_of_where_a_record_keeps_its_bytes_costs_one_copy_only(tmp_path, monkeypatch) -> None:
     """The first large item placed with a wrong guess goes through the write buffer; the
     next ones use what it taught; small items stay packed back to back in their own file."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from dist_ckpt.restore.records import parse_tensor_record
     from dist_ckpt.save import shardio
 
     monkeypatch.setattr(shardio, "_storage_offset_guess", 1)
@@ -241,15 +245,7 @@ def test_a_wrong_guess_of_where_a_record_keeps_its_bytes_costs_one_copy_only(tmp
     saved = large_state()
     save_one(root, saved, direct_io=True, async_save=True)
     dcp_dir = os.path.join(root, GEN1, "dcp")
-    items = sorted(FileSystemReader(dcp_dir).read_metadata().storage_data.values(),
-                   key=lambda info: (info.relative_path, info.offset))
-    aligned = []
-    for info in items:
-        with open(os.path.join(dcp_dir, info.relative_path), "rb") as handle:
-            handle.seek(info.offset)
-            record = parse_tensor_record(memoryview(handle.read(info.length)))
-        if record is not None and record.nbytes > 64 << 10:
-            aligned.append((info.offset + record.data_offset) % directio.ALIGN == 0)
+    items, aligned = large_item_alignment(dcp_dir)
     if accepts_o_direct(str(tmp_path)):
         assert aligned == [False, True, True]
     small = [info for info in items if info.relative_path != items[0].relative_path]
