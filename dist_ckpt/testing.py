@@ -1,8 +1,15 @@
-"""Run a function on N gloo ranks in spawned processes: multi-rank tests as plain tests.
+"""Run a function on N gloo ranks in fresh processes: multi-rank tests as plain tests.
 
-``run_ranks(world_size, fn, *args)`` spawns ``world_size`` processes, initialises a gloo
+``run_ranks(world_size, fn, *args)`` starts ``world_size`` processes, initialises a gloo
 process group on loopback in each, calls ``fn(rank, world_size, *args)`` and returns the
 per-rank return values (picklable), or raises the first rank's exception.
+
+Ranks are forked from a fork server that imported torch and ``dist_ckpt`` once
+(``rank_context``): a rank then starts without paying the interpreter's and torch's import
+again, which is most of what a short multi-rank test costs. Each rank is still a process of
+its own with no state of the caller's but the environment and working directory it is given
+(``rank_environment``, applied first thing by ``enter_rank``). ``DIST_CKPT_RANK_START=spawn``
+starts each rank as a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import gc
 import hashlib
 import os
 import pickle
+import random
 import socket
 import sys
 import tempfile
@@ -22,15 +30,75 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+START_ENV = "DIST_CKPT_RANK_START"
+# imported once by the fork server, so that a rank forked from it starts with them loaded
+# (torch._dynamo: what the first optimizer a process constructs imports)
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
+           "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "numpy", "dist_ckpt"]
+
+
+def rank_context() -> Any:
+    """The multiprocessing context that starts ranks: a fork server with ``PRELOAD`` imported
+    (one per calling process, started at its first use), or ``spawn`` where the environment
+    asks for it or the platform has no fork server."""
+    method = os.environ.get(START_ENV, "forkserver")
+    if method not in mp.get_all_start_methods():
+        method = "spawn"
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def rank_environment() -> tuple[dict[str, str], str]:
+    """What a rank inherits from its caller: the environment and working directory now (a
+    fork server's own were fixed when it started)."""
+    return dict(os.environ), os.getcwd()
+
+
+def enter_rank(inherited: tuple[dict[str, str], str]) -> None:
+    """First thing in a started rank: the caller's environment and working directory."""
+    environment, cwd = inherited
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(cwd)
+
+
+_PORT_DRAW = random.SystemRandom()  # never the seeded global stream of a test
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
+    """A loopback port that was free just now, for a listener started soon after.
+
+    Drawn at random below the kernel's ephemeral range where there is room: the ports the
+    kernel hands to outgoing connections and to ``bind(0)`` of every other process then never
+    take it in between, and two suites side by side rarely draw the same one (``bind`` is the
+    check that the draw is free)."""
+    low, high = 15000, _ephemeral_low()
+    for _ in range(64 if high - low >= 1000 else 0):
+        port = _PORT_DRAW.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
-           args: tuple, timeout_s: float) -> None:
+           args: tuple, timeout_s: float, inherited: tuple[dict[str, str], str]) -> None:
+    enter_rank(inherited)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # an abort in native code (gloo, c10d) then prints every thread's Python stack
     faulthandler.enable(all_threads=True)
@@ -61,8 +129,10 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
               timeout_s: float = 120.0) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args, timeout_s),
-                           nprocs=world_size, join=True, start_method="spawn")
+        context = rank_context()
+        mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args, timeout_s,
+                                         rank_environment()),
+                           nprocs=world_size, join=True, start_method=context.get_start_method())
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as handle:

@@ -1,8 +1,88 @@
+"""Suite-wide fixtures and the suite's own rules (docs/testing.md).
+
+- Every test gets a shared-memory base of its own (``DIST_CKPT_SHM_DIR``, a fresh directory
+  in ``/dev/shm``), so memory-tier runs of tests side by side, of two xdist workers or of two
+  copies of the suite, never share a run directory.
+- Tests that start processes carry the ``processes`` marker; ``scripts/test.sh --quick``
+  deselects them. They run first, so that the single-process tests fill the workers' gaps at
+  the end instead of one long test starting last.
+- A test whose setup, call and teardown together take longer than ``LONG_TEST_S`` fails the
+  session unless it is marked ``@pytest.mark.long(reason=...)``.
+"""
+
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from collections import defaultdict  # noqa: E402
+
+import pytest  # noqa: E402
+
+LONG_TEST_S = 60.0
+SHM_BASE = "/dev/shm"
+# fixtures that start a server process (moto_server, a FUSE filesystem): their tests are
+# ``processes`` tests without saying so
+SERVER_FIXTURES = frozenset({"s3_endpoint", "s3_root", "require_fuse"})
+_elapsed: dict[str, float] = defaultdict(float)
+_long_allowed: set[str] = set()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "processes: starts processes (ranks, torchrun, interpreters); "
+                                       "deselected by scripts/test.sh --quick")
+    config.addinivalue_line("markers", f"long(reason): may take longer than {LONG_TEST_S:.0f} s; "
+                                       "the reason says why")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("long")
+        if marker is not None and not (marker.kwargs.get("reason") or marker.args):
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.long needs reason=")
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)
+    # stable: the order inside each group is the collection order
+    items.sort(key=lambda item: item.get_closest_marker("processes") is None)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _elapsed[report.nodeid] += report.duration
+    if "long" in report.keywords:
+        _long_allowed.add(report.nodeid)
+
+
+def _too_long() -> list[tuple[str, float]]:
+    return sorted(((nodeid, seconds) for nodeid, seconds in _elapsed.items()
+                   if seconds > LONG_TEST_S and nodeid not in _long_allowed),
+                  key=lambda pair: -pair[1])
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for nodeid, seconds in _too_long():
+        terminalreporter.write_line(f"TOO LONG: {nodeid} took {seconds:.1f} s (limit {LONG_TEST_S:.0f} s; "
+                                    "make it shorter or mark it @pytest.mark.long(reason=...))", red=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: its controller sees every report and decides
+    if _too_long() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def own_shared_memory(monkeypatch: pytest.MonkeyPatch):
+    """A fresh shared-memory base for the test and everything it starts (inherited through
+    the environment), removed afterwards."""
+    from dist_ckpt import shm
+
+    base = SHM_BASE if os.path.isdir(SHM_BASE) else None
+    directory = tempfile.mkdtemp(prefix="dist_ckpt_tests-", dir=base)
+    monkeypatch.setenv(shm.SHM_DIR_ENV, directory)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

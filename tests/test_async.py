@@ -31,6 +31,7 @@ def test_plan_cache_is_invalidated_when_the_layout_changes(tmp_path) -> None:
     assert torch.equal(restored[1].weight, model[1].weight)
 
 
+@pytest.mark.processes
 def test_in_flight_bound_and_staging_reuse(tmp_path) -> None:
     ranks = run_ranks(2, async_workers.in_flight_bound, str(tmp_path), timeout_s=180)
     for result in ranks:
@@ -51,6 +52,7 @@ def test_in_flight_bound_and_staging_reuse(tmp_path) -> None:
         assert two["peak"] == 2 * two["state_bytes"]
 
 
+@pytest.mark.processes
 def test_store_keys_of_finished_saves_are_deleted(tmp_path) -> None:
     ranks = run_ranks(2, async_workers.store_keys_after_saves, str(tmp_path))
     # rank 0 deletes an outcome (and its acknowledgement counter) once rank 1 read it; the
@@ -59,6 +61,7 @@ def test_store_keys_of_finished_saves_are_deleted(tmp_path) -> None:
     assert ranks[0]["acks"][:3] == [False, False, False]
 
 
+@pytest.mark.processes
 def test_close_leaves_no_threads_buffers_or_group(tmp_path) -> None:
     ranks = run_ranks(2, async_workers.close_leaves_no_threads, str(tmp_path), timeout_s=180)
     for result in ranks:
@@ -73,6 +76,7 @@ def test_close_leaves_no_threads_buffers_or_group(tmp_path) -> None:
         assert result["late_gloo"] == before["gloo"]
 
 
+@pytest.mark.processes
 def test_close_after_the_default_group_was_destroyed(tmp_path) -> None:
     [result] = run_ranks(1, async_workers.close_after_default_group_destroyed, str(tmp_path))
     assert result["raised"] is None and result["group_released"]
@@ -80,6 +84,7 @@ def test_close_after_the_default_group_was_destroyed(tmp_path) -> None:
     assert result["committed"] == ["gen-000000000001"]
 
 
+@pytest.mark.processes
 def test_the_staging_copy_runs_while_the_agreement_waits_for_peers(tmp_path) -> None:
     ranks = run_ranks(2, async_workers.copy_before_peers_agree, str(tmp_path), timeout_s=180)
     # rank 1 entered saves 1 and 2 only after rank 0 had copied: no deadlock, both committed
@@ -90,6 +95,7 @@ def test_the_staging_copy_runs_while_the_agreement_waits_for_peers(tmp_path) -> 
     assert ranks[0]["in_use_after_skip"] == 1  # only save 3's slot
 
 
+@pytest.mark.processes
 def test_gather_frames_fall_back_when_an_object_does_not_fit() -> None:
     ranks = run_ranks(2, async_workers.gather_frames, timeout_s=60)
     for result in ranks:

@@ -206,6 +206,7 @@ def test_human_bytes() -> None:
     assert human_bytes(3 << 30) == "3.0 GiB"
 
 
+@pytest.mark.processes
 def test_module_entry_point(root: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     ok = subprocess.run([sys.executable, "-m", "dist_ckpt.cli", "verify", str(root)],

@@ -8,6 +8,8 @@ import torch
 from dist_ckpt.testing import run_ranks
 from tests.helpers import workers
 
+pytestmark = pytest.mark.processes
+
 STEPS = 8
 
 

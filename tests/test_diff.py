@@ -68,6 +68,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     return code, out, err
 
 
+@pytest.mark.processes
 def test_identical_runs_exit_0(base: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, str(base / "full" / GEN3), str(base / "no_rng" / GEN3))
     assert code == 0, out

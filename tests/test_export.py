@@ -49,6 +49,7 @@ def fsdp_gen(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, t
     return root, model
 
 
+@pytest.mark.processes
 def test_fsdp_generation_exports_bitwise(fsdp_gen, tmp_path) -> None:
     root, model = fsdp_gen
     out = str(tmp_path / "release")

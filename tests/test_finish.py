@@ -79,6 +79,7 @@ def cadence_ranks(rank: int, world: int, root: str, cadence: str, mtbf_s: float)
     ("auto", 1e-9, [2, 3, 4, 5, 6, 7, 8]),  # T* far below one step: every update
     ("auto", 1e12, [2]),  # T* of years: nothing after the first save
 ])
+@pytest.mark.processes
 def test_maybe_save_cadence_agreed_across_ranks(tmp_path, cadence: str, mtbf_s: float,
                                                 expected: list[int]) -> None:
     saved = run_ranks(2, cadence_ranks, str(tmp_path), cadence, mtbf_s)

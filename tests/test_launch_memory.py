@@ -20,13 +20,14 @@ from dist_ckpt.storage.local import LocalBackend
 from tests.helpers import launchlib
 from tests.helpers.launchlib import launch, run_dir
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 MEMORY = ("--memory-tier", "--persist-every", "100", "--updates", "12", "--save-every", "1")
 
 
 def test_sigkilled_worker_resumes_from_memory_bitwise(tmp_path) -> None:
-    """Real /dev/shm. persist_every=100: until finish() the root holds no generation at all,
-    so resuming at update 5 proves that nothing was read from storage."""
+    """Real shared memory (the test's own base in /dev/shm). persist_every=100: until
+    finish() the root holds no generation at all, so resuming at update 5 proves that
+    nothing was read from storage."""
     run_id = f"t-{uuid.uuid4().hex[:10]}"
     reference = launch(str(tmp_path / "reference"), "--run-id", f"{run_id}-ref", script_args=(
         *MEMORY, "--dump-final", str(tmp_path / "reference.pt")))
@@ -49,7 +50,7 @@ def test_sigkilled_worker_resumes_from_memory_bitwise(tmp_path) -> None:
     assert expected.keys() == final.keys() and len(final) > 4
     assert all(torch.equal(expected[k], final[k]) for k in expected), "resumed run diverged"
     for rid in (run_id, f"{run_id}-ref"):  # removed at DONE
-        assert not os.path.exists(shm.run_dir(rid, shm.DEFAULT_BASE))
+        assert not os.path.exists(shm.run_dir(rid, shm.base_dir()))
 
 
 def test_killed_launcher_memory_is_removed_by_the_next_start(tmp_path) -> None:

@@ -23,7 +23,7 @@ from dist_ckpt.testing import free_port
 from tests.helpers import launchlib
 from tests.helpers.launchlib import read_log, run_dir
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 UPDATES = 14
 # a node lost while rank 0 waits for its report holds rank 0 for the commit timeout
 JOB = ("--memory-tier", "--persist-every", "100", "--updates", str(UPDATES), "--save-every", "1",

@@ -20,7 +20,7 @@ from dist_ckpt.testing import free_port
 from tests.helpers import launchlib
 from tests.helpers.launchlib import read_log
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 
 
 def test_two_nodes_restart_after_node1_loses_its_workers(s3_root: str, tmp_path) -> None:

@@ -150,6 +150,7 @@ def test_wait_staged_returns_once_the_copy_is_done(tmp_path) -> None:
     assert torch.equal(_load(str(tmp_path), 2)["/model/0.weight"], weight / 2)
 
 
+@pytest.mark.processes
 def test_a_failed_copy_fails_the_save_and_never_holds_the_step(tmp_path) -> None:
     model, optimizer = _job()
     config = _lazy(str(tmp_path), commit_timeout_s=1.0)
@@ -224,6 +225,7 @@ def lazy_round_trip(rank: int, world: int, root: str) -> dict:
             "failures": failures}
 
 
+@pytest.mark.processes
 def test_two_rank_fsdp_lazy_round_trip(tmp_path) -> None:
     ranks = run_ranks(2, lazy_round_trip, str(tmp_path), timeout_s=120)
     assert [r["generation"] for r in ranks] == [generation_name(1)] * 2

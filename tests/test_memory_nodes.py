@@ -17,7 +17,7 @@ from dist_ckpt.testing import run_ranks
 from tests.helpers import memory_jobs
 from tests.helpers.memory_jobs import node_dir
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 RUN = "n0001"
 NEWEST, PERSISTED = "gen-000000000005", "gen-000000000004"
 

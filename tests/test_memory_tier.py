@@ -17,7 +17,7 @@ from dist_ckpt.storage.local import LocalBackend
 from dist_ckpt.testing import run_ranks
 from tests.helpers import memory_jobs
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 RUN = "t0001"
 
 

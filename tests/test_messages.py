@@ -66,6 +66,7 @@ def differing_extras(rank: int, world: int, root: str) -> str:
     return "saved"
 
 
+@pytest.mark.processes
 def test_extras_that_differ_between_ranks_are_refused(tmp_path) -> None:
     outcomes = run_ranks(2, differing_extras, str(tmp_path))
     assert outcomes[0] == outcomes[1]

@@ -12,7 +12,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from dist_ckpt.testing import free_port
+
+pytestmark = pytest.mark.processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

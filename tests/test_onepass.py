@@ -183,6 +183,7 @@ def load_counting(rank: int, world: int, kind: str, root: str) -> dict:
     return out
 
 
+@pytest.mark.processes
 def test_resharded_loads_take_the_fast_path_bitwise(tmp_path) -> None:
     root = str(tmp_path / "run")
     saved = run_ranks(2, workers.save_for_reshard, "fsdp", root, 4)
@@ -212,6 +213,7 @@ def restore_counting(rank: int, world: int, root: str) -> dict:
             "reads": seen}
 
 
+@pytest.mark.processes
 def test_a_shard_failing_on_one_rank_stops_every_rank_before_any_item_is_read(tmp_path) -> None:
     root = str(tmp_path / "run")
     run_ranks(2, save_two, root)
@@ -232,6 +234,7 @@ def save_with_small_bound(rank: int, world: int, root: str) -> None:
     save_two(rank, world, root)
 
 
+@pytest.mark.processes
 def test_no_rank_hashes_another_ranks_tensor_file(tmp_path) -> None:
     """FSDP saves each replicated step count once, in one rank's file; the other rank reads it
     from that rank's small-items file, so a verified restore hashes its own shard and small

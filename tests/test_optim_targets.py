@@ -125,6 +125,7 @@ def load_without_fake_step(rank: int, world: int, kind: str, root: str) -> dict:
     return out
 
 
+@pytest.mark.processes
 def test_fsdp_resharded_restart_allocates_sharded_targets(tmp_path) -> None:
     root = str(tmp_path / "run")
     saved = run_ranks(2, workers.save_for_reshard, "fsdp", root, 3)

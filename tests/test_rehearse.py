@@ -115,6 +115,7 @@ def rehearse_sharded(rank: int, world: int, root: str) -> tuple[str, float | Non
     return result.generation, result.loss, result.digest
 
 
+@pytest.mark.processes
 def test_rehearsal_of_an_fsdp_generation_on_two_ranks(tmp_path) -> None:
     root = str(tmp_path)
     run_ranks(2, workers.save_for_reshard, "fsdp", root, 3)
@@ -123,6 +124,7 @@ def test_rehearsal_of_an_fsdp_generation_on_two_ranks(tmp_path) -> None:
     assert outcomes[0][1] is not None
 
 
+@pytest.mark.processes
 def test_cli_rehearses_with_the_jobs_own_script(tmp_path, capsys) -> None:
     root = str(tmp_path / "root")
     env = dict(launchlib.env(), DIST_CKPT_ROOT=root)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dist_ckpt.cli.app import main as cli
 from dist_ckpt.testing import run_ranks
 from tests.helpers import workers
 from tests.helpers.workers import check_restart
+
+pytestmark = pytest.mark.processes
 
 
 def test_fsdp_round_trip_through_s3_two_to_three(s3_root: str) -> None:

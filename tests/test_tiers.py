@@ -21,7 +21,8 @@ from tests.helpers.local_jobs import make_state, step, two_generations
 TIERS = ("rename", "objectstore", "memory")
 
 
-@pytest.fixture(params=TIERS)
+@pytest.fixture(params=[pytest.param(tier, marks=pytest.mark.processes) if tier == "objectstore"
+                        else tier for tier in TIERS])  # the object store is a moto_server
 def root(request: pytest.FixtureRequest, tmp_path) -> str:
     if request.param == "rename":
         return str(tmp_path / "root")

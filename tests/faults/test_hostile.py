@@ -497,6 +497,7 @@ def test_deep_nesting_is_a_validation_error() -> None:
             verify(KEY.encode(), b"{}", raw[:4096], generation=GEN2)
 
 
+@pytest.mark.processes
 def test_fifo_shard_verify_in_a_subprocess_exits_1(template: Path, tmp_path: Path) -> None:
     """One case end to end through the installed entry point, in its own process."""
     root = copy_root(template, tmp_path / "root")

@@ -148,6 +148,7 @@ def test_a_blocked_writer_waits_for_its_release(tmp_path: Path) -> None:
         assert [g.name for g in mgr.generations() if g.state == "committed"] == ["gen-000000000001"]
 
 
+@pytest.mark.processes
 def test_a_block_across_processes(tmp_path: Path) -> None:
     marks = str(tmp_path / "faults")
     env = dict(os.environ, **{faults.ENV: json.dumps({"report.before": {"rank": 1, "block": "r"}}),
@@ -192,6 +193,7 @@ def test_every_point_of_the_local_paths_fires(tmp_path: Path) -> None:
     assert faults.hits() == LOCAL_POINTS
 
 
+@pytest.mark.processes
 def test_every_point_of_the_mirror_path_fires(tmp_path: Path, s3_root: str) -> None:
     points = ["mirror.upload", "mirror.before_publish", "upload.file", "commit.before_rename",
               "commit.after_rename"]

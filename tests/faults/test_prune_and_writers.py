@@ -34,6 +34,7 @@ def cli_killed_at(point: str, *argv: str) -> int:
                           capture_output=True).returncode
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("point", ["prune.manifest_removed", "prune.between"])
 def test_prune_killed_mid_way(tmp_path, point: str) -> None:
     root = str(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, faults
@@ -54,6 +55,7 @@ def test_torn_snapshot_is_impossible(tmp_path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(expected_optim, loaded_optim, strict=True))
 
 
+@pytest.mark.processes
 def test_slow_late_crashed_and_missing_ranks(tmp_path) -> None:
     root = str(tmp_path / "root")
     ranks = run_ranks(2, async_workers.slow_and_failing_ranks, root, str(tmp_path / "faults"),

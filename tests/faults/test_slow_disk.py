@@ -5,12 +5,16 @@ training waits at most about ``commit_timeout_s`` plus one write request per sav
 
 from __future__ import annotations
 
+import pytest
+
 from dist_ckpt.testing import run_ranks
 from tests.helpers import fault_jobs
 from tests.helpers.matrix import record
 
-DEADLINE_S = 3.0
-REQUEST_DELAY_S = 2.0
+pytestmark = pytest.mark.processes
+
+DEADLINE_S = 2.0
+REQUEST_DELAY_S = 1.0
 SAVES = 3
 
 

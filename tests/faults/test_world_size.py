@@ -9,6 +9,8 @@ from dist_ckpt.testing import run_ranks
 from tests.helpers import workers
 from tests.helpers.workers import check_restart
 
+pytestmark = pytest.mark.processes
+
 STEPS = 6
 
 

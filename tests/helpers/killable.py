@@ -3,7 +3,8 @@
 ``dist_ckpt.testing.run_ranks`` joins every rank and raises when one fails, which also takes
 the survivors down. Here each rank runs ``fn(rank, world, *args)`` in its own spawned process
 on a gloo group and writes its return value; a rank that is SIGKILLed simply has none. After
-``fn`` no collective runs (a peer may be dead), so survivors exit on their own.
+``fn`` no collective runs (a peer may be dead), so survivors exit on their own. Ranks start
+from ``dist_ckpt.testing.rank_context`` (forked from a server with torch imported).
 
 Call order: ``spawn(world, fn, *args)`` -> ``Ranks``; optionally ``ranks.kill(r)`` or
 ``ranks.wait_file(...)``; ``ranks.join(timeout_s)`` -> ``[Outcome(exitcode, result)]``.
@@ -23,9 +24,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch.multiprocessing as mp
-
-from dist_ckpt.testing import free_port
+from dist_ckpt.testing import enter_rank, free_port, rank_context, rank_environment
 
 
 @dataclass
@@ -35,7 +34,8 @@ class Outcome:
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple,
-           timeout_s: float) -> None:
+           timeout_s: float, inherited: tuple[dict[str, str], str]) -> None:
+    enter_rank(inherited)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     faulthandler.enable(all_threads=True)
     import torch
@@ -58,10 +58,10 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
 class Ranks:
     def __init__(self, world: int, fn: Callable, args: tuple, timeout_s: float) -> None:
         self.out_dir = tempfile.mkdtemp(prefix="killable-")
-        context = mp.get_context("spawn")
-        port = free_port()
+        context = rank_context()
+        port, inherited = free_port(), rank_environment()
         self.processes = [context.Process(target=_entry, args=(rank, world, port, self.out_dir, fn, args,
-                                                                timeout_s), daemon=False)
+                                                                timeout_s, inherited), daemon=False)
                           for rank in range(world)]
         for process in self.processes:
             process.start()
