@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 UPDATES = 14
 # a node lost while rank 0 waits for its report holds rank 0 for the commit timeout
 JOB = ("--memory-tier", "--persist-every", "100", "--updates", str(UPDATES), "--save-every", "1",
-       "--commit-timeout", "20")
+       "--commit-timeout", "8")
 
 
 def _node(root: str, shm_dir: str, port: int, dump: str) -> subprocess.Popen:
