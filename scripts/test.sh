@@ -14,6 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check dist_ckpt launch scripts tests
+# bytecode once, here: every rank, launcher and CLI process of the suite imports these modules
+# (PYTHONDONTWRITEBYTECODE, where set, would have each of them compile its own)
+.venv/bin/python -m compileall -q dist_ckpt launch scripts tests >/dev/null
 # CI (CI=true) must prove the FUSE power-loss rows ran: tests/faults fail instead of skipping
 export DIST_CKPT_REQUIRE_FUSE=${DIST_CKPT_REQUIRE_FUSE:-${CI:+1}}
 mkdir -p .test-results

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from dist_ckpt import runinfo
+from dist_ckpt.testing import enter_rank, free_port, rank_context, rank_environment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "scripts", "train_example.py")
@@ -44,6 +48,42 @@ def launch(root: str, *launcher_args: str, nproc: int = 2, script: str = EXAMPLE
                                   script_args=script_args),
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
     return Launched(proc.returncode, proc.stdout + proc.stderr, read_log(root)[before:])
+
+
+def _example_rank(rank: int, world: int, port: int, script_args: tuple[str, ...],
+                  inherited: tuple[dict[str, str], str]) -> None:
+    enter_rank(inherited)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    sys.argv = [EXAMPLE, *script_args]
+    runpy.run_path(EXAMPLE, run_name="__main__")  # ends in sys.exit(0): this rank's exit code
+
+
+def reference(root: str, *script_args: str, nproc: int = 2, timeout: float = 180) -> None:
+    """The uninterrupted job that a launcher test compares its restarted one with: the
+    example script on ``nproc`` ranks with the environment torchrun gives them
+    (``DIST_CKPT_ROOT=root``; a run id of its own for the memory tier), each rank forked from
+    the fork server instead of started by torchrun's agent. Only the final state
+    (``--dump-final``) is the reference: how the ranks were started is not under test here,
+    and a fresh interpreter per rank costs seconds of every launcher test."""
+    environment, cwd = rank_environment()
+    environment = dict(environment, **env(), DIST_CKPT_ROOT=root,
+                       **{runinfo.RUN_ID_ENV: f"reference-{os.getpid()}-{time.monotonic_ns()}"})
+    context, port = rank_context(), free_port()
+    ranks = [context.Process(target=_example_rank, args=(rank, nproc, port, script_args, (environment, cwd)))
+             for rank in range(nproc)]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + timeout
+    for process in ranks:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+    codes = [process.exitcode for process in ranks]
+    assert codes == [0] * nproc, f"the reference run failed: exit codes {codes}"
 
 
 def read_log(root: str) -> list[dict]:
