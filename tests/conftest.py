@@ -32,6 +32,8 @@ _long_allowed: set[str] = set()
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "processes: starts processes (ranks, torchrun, interpreters); "
                                        "deselected by scripts/test.sh --quick")
+    config.addinivalue_line("markers", "launcher: runs jobs under python -m launch or torchrun (implies "
+                                       "processes); scripts/test.sh runs these in a session of their own")
     config.addinivalue_line("markers", f"long(reason): may take longer than {LONG_TEST_S:.0f} s; "
                                        "the reason says why")
 
@@ -41,7 +43,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         marker = item.get_closest_marker("long")
         if marker is not None and not (marker.kwargs.get("reason") or marker.args):
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.long needs reason=")
-        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker(
+                "launcher") is not None:
             item.add_marker(pytest.mark.processes)
     # stable: the order inside each group is the collection order
     items.sort(key=lambda item: item.get_closest_marker("processes") is None)

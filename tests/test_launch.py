@@ -21,7 +21,7 @@ from launch.rundir import choose_run
 from tests.helpers import launchlib
 from tests.helpers.launchlib import launch, read_log, run_dir
 
-pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
 CRASH_JOB = os.path.join(launchlib.REPO, "tests", "helpers", "crash_job.py")
 
 

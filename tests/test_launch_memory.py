@@ -20,7 +20,7 @@ from dist_ckpt.storage.local import LocalBackend
 from tests.helpers import launchlib
 from tests.helpers.launchlib import launch, run_dir
 
-pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
 MEMORY = ("--memory-tier", "--persist-every", "100", "--updates", "12", "--save-every", "1")
 
 

@@ -23,7 +23,10 @@ from dist_ckpt.testing import free_port
 from tests.helpers import launchlib
 from tests.helpers.launchlib import read_log, run_dir
 
-pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600), pytest.mark.long(
+    reason="two launchers as two nodes, one killed and replaced while the other waits in the "
+           "rendezvous: four chains of fresh interpreters importing torch, and the 8 s commit "
+           "timeout a lost node costs its peer")]
 UPDATES = 14
 # a node lost while rank 0 waits for its report holds rank 0 for the commit timeout
 JOB = ("--memory-tier", "--persist-every", "100", "--updates", str(UPDATES), "--save-every", "1",

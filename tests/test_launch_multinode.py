@@ -20,7 +20,10 @@ from dist_ckpt.testing import free_port
 from tests.helpers import launchlib
 from tests.helpers.launchlib import read_log
 
-pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600), pytest.mark.long(
+    reason="two launchers as two nodes, each starting torchrun's agent and a worker twice: "
+           "four chains of fresh interpreters importing torch, about half a minute on an idle "
+           "2-core machine and more beside other tests")]
 
 
 def test_two_nodes_restart_after_node1_loses_its_workers(s3_root: str, tmp_path) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from dist_ckpt.testing import free_port
 
-pytestmark = pytest.mark.processes
+pytestmark = pytest.mark.launcher  # torchrun jobs as two nodes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -124,7 +124,7 @@ def test_rehearsal_of_an_fsdp_generation_on_two_ranks(tmp_path) -> None:
     assert outcomes[0][1] is not None
 
 
-@pytest.mark.processes
+@pytest.mark.launcher  # torchrun, then the rehearsal's own torchrun
 def test_cli_rehearses_with_the_jobs_own_script(tmp_path, capsys) -> None:
     root = str(tmp_path / "root")
     env = dict(launchlib.env(), DIST_CKPT_ROOT=root)
