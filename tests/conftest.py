@@ -76,16 +76,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.fixture(autouse=True)
-def own_shared_memory(monkeypatch: pytest.MonkeyPatch):
+def own_shared_memory():
     """A fresh shared-memory base for the test and everything it starts (inherited through
-    the environment), removed afterwards."""
+    the environment), removed afterwards. A private MonkeyPatch, not the test's: an autouse
+    fixture is torn down after the test's ``monkeypatch`` has undone what the test patched
+    (``os.open``, say), which the removal needs."""
     from dist_ckpt import shm
 
     base = SHM_BASE if os.path.isdir(SHM_BASE) else None
     directory = tempfile.mkdtemp(prefix="dist_ckpt_tests-", dir=base)
-    monkeypatch.setenv(shm.SHM_DIR_ENV, directory)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(shm.SHM_DIR_ENV, directory)
+        yield directory
+    shutil.rmtree(directory)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
@@ -95,6 +96,7 @@ class Ranks:
                 with open(path, "rb") as handle:
                     result = pickle.load(handle)
             outcomes.append(Outcome(process.exitcode, result))
+        shutil.rmtree(self.out_dir, ignore_errors=True)  # every rank has exited: nothing writes there
         return outcomes
 
 
