@@ -18,7 +18,10 @@ import pytest
 
 from tests.helpers.matrix import record, timed
 
-pytestmark = pytest.mark.processes
+pytestmark = [pytest.mark.processes, pytest.mark.long(
+    reason="20 interpreter finalisations with torch loaded: each ends a process whose heap "
+           "the fork shares, about a second of CPU apiece, CPU-bound, so it stretches with "
+           "whatever else the machine runs (about 35 s in CI's run, 90 s beside a second suite)")]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNS = 20
 CONCURRENT = 2  # runs alive at once: the machine's cores

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,3 +184,9 @@ def check_restart(saved: dict, loaded: list[dict], old_world: int, steps: int) -
     assert len(remaining) == len(set(remaining)), "a sample was handed out twice"
     assert len(consumed) * old_world + len(remaining) == NUM_SAMPLES
     assert not set(remaining) & set(consumed)
+
+
+def environment_and_cwd(rank: int, world: int, name: str) -> tuple[str | None, str, int]:
+    """What a started rank sees of its caller: one environment variable, the working
+    directory, and its own pid."""
+    return os.environ.get(name), os.getcwd(), os.getpid()
