@@ -48,7 +48,7 @@ ROWS = [
     Row("slow rank under / over the deadline", "delay inside one rank's writer",
         "commits late / fails cleanly; the next save commits in the same processes",
         [f"{F}/test_ranks.py::test_slow_late_crashed_and_missing_ranks"]),
-    Row("slow disk that stays slow", "every write request of one rank takes 2 s, from the middle "
+    Row("slow disk that stays slow", "every write request of one rank takes 1 s, from the middle "
         "of a save on", "each save fails at its deadline; the rank abandons the doomed writes; "
         "training is held at most about the deadline plus one request per save",
         [f"{F}/test_slow_disk.py"]),
