@@ -60,6 +60,10 @@ Save, all ranks (docs/architecture.md, "Save"):
 ``stage.copy``              all ranks, ``snapshot="lazy"`` only, first thing the save thread
                             does: ``save()`` returned, the deferred tensors not copied yet; the
                             next optimizer step and ``wait_staged()`` wait while it is held.
+``stage.step_waits``        all ranks, ``snapshot="lazy"`` only, in the optimizer step's pre-hook
+                            when the step arrives before a pending copy no longer reads the
+                            live tensors (not hit when the copy was already done): the race
+                            the lazy snapshot guards against is happening.
 ``write.before``            all ranks, first thing the writer does (the save thread of an async
                             save): the state is staged, the outcome pre-check passed, no byte
                             of this attempt is written.

@@ -84,19 +84,28 @@ def _lazy(root: str, **more) -> CheckpointConfig:
 
 
 def test_no_torn_snapshot_when_the_step_follows_save_at_once(tmp_path) -> None:
+    """Each save's copy is held until the next step has arrived in its pre-hook (the
+    ``stage.step_waits`` point proves the step came first), then released."""
     model, optimizer = _job()
     _forward_backward(model)
     _step(optimizer)
-    faults.configure({"stage.copy": {"delay_s": 0.05}})  # a slow copy: the step catches up
     expected: dict[int, dict[str, torch.Tensor]] = {}
     with CheckpointManager(_lazy(str(tmp_path), max_in_flight=2), TrainState(model, optimizer)) as mgr:
         for update in range(1, 5):
+            copy, step = f"copy{update}", f"step{update}"
+            faults.configure({"stage.copy": {"block": copy}, "stage.step_waits": {"block": step}})
             expected[update] = _flat(_tensors(model, optimizer))  # the tensors at save time
             mgr.save(update)
+            faults.wait_reached(copy)  # save() returned; nothing deferred is copied yet
             _forward_backward(model)  # changes the BatchNorm statistics in place
-            _step(optimizer)  # the pre-hook holds it until the copy is done
+            stepper = threading.Thread(target=_step, args=(optimizer,))
+            stepper.start()
+            faults.wait_reached(step)  # the step is in its pre-hook while the copy is pending
+            faults.release(copy)
+            faults.release(step)
+            stepper.join(60)
+            assert not stepper.is_alive()
         mgr.wait()
-    assert faults.hits()["stage.copy"] == 4
     for update, saved in expected.items():
         _assert_bitwise(saved, _load(str(tmp_path), update), f"generation {update}")
 

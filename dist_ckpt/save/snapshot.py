@@ -135,6 +135,8 @@ class PendingCopy:
         is failed instead: ``error``). ``for_step``: the caller's current CUDA streams wait
         for the device copies instead of the CPU."""
         event = self.enqueued if for_step else self.finished
+        if for_step and not event.is_set():
+            faults.hit("stage.step_waits", self.rank)
         if not event.wait(max(0.0, self.deadline - time.monotonic())):
             with self._lock:
                 if not event.is_set():
