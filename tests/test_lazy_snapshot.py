@@ -162,7 +162,8 @@ def test_wait_staged_returns_once_the_copy_is_done(tmp_path) -> None:
 @pytest.mark.processes
 def test_a_failed_copy_fails_the_save_and_never_holds_the_step(tmp_path) -> None:
     model, optimizer = _job()
-    config = _lazy(str(tmp_path), commit_timeout_s=1.0)
+    # the deadline is waited out once (save 2); save 3 must commit within it beside other tests
+    config = _lazy(str(tmp_path), commit_timeout_s=3.0)
     with CheckpointManager(config, TrainState(model, optimizer)) as mgr:
         faults.configure({"stage.copy": {"raise": True}})
         mgr.save(1)

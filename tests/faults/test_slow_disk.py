@@ -13,7 +13,7 @@ from tests.helpers.matrix import record
 
 pytestmark = pytest.mark.processes
 
-DEADLINE_S = 2.0
+DEADLINE_S = 3.0
 REQUEST_DELAY_S = 1.0
 SAVES = 3
 

@@ -12,7 +12,7 @@ from dist_ckpt import CommitError, faults
 from dist_ckpt.save.staging import local_tensors
 from tests.helpers import workers
 
-DEADLINE_S = 2.0  # waited out by the late-rank cases: no longer than a healthy save needs
+DEADLINE_S = 3.0  # waited out by the late-rank cases; healthy saves must commit within it beside other tests
 
 
 def _latest(root: str) -> bytes:
