@@ -34,10 +34,6 @@ class LaunchOptions:
     torchrun: argparse.Namespace
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def script(self) -> str:
-        return self.torchrun.training_script
-
     def backoff_before(self, start: int) -> float:
         """Seconds to wait before start number ``start`` (2, 3, ...)."""
         if start <= 1 or not self.backoff_s:

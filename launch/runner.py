@@ -139,7 +139,7 @@ class Launcher:
         os.makedirs(start_dir)
         result_path = os.path.join(start_dir, "agent-result.json")
         began = time.monotonic()
-        agent_rc, stop = self._run_agent(start, start_dir, result_path)
+        agent_rc, stop = self._run_agent(start_dir, result_path)
         record.duration_s = round(time.monotonic() - began, 3)
         result = runinfo.read_report(result_path)
         reports = runinfo.read_reports(start_dir)
@@ -151,11 +151,10 @@ class Launcher:
             record.memory_bytes = shm.used_bytes(self.run_id)
         return record
 
-    def _run_agent(self, start: int, start_dir: str, result_path: str) -> tuple[int | None, str | None]:
+    def _run_agent(self, start_dir: str, result_path: str) -> tuple[int | None, str | None]:
         env = dict(os.environ)
-        env.update({"DIST_CKPT_ROOT": self.run_dir, runinfo.RUN_DIR_ENV: self.run_dir,
-                    runinfo.RUN_ID_ENV: self.run_id, runinfo.LAUNCH_DIR_ENV: start_dir,
-                    "DIST_CKPT_LAUNCH_START": str(start)})
+        env.update({"DIST_CKPT_ROOT": self.run_dir, runinfo.RUN_ID_ENV: self.run_id,
+                    runinfo.LAUNCH_DIR_ENV: start_dir})
         if self.mirror:
             env[runinfo.MIRROR_ENV] = self.mirror
         command = [sys.executable, "-m", "launch.agent", result_path, *self.options.torchrun_argv]
@@ -267,9 +266,4 @@ def _newest_generation_bytes(run_dir: str) -> int | None:
     try:
         return Manifest.from_bytes(raw, generation=pointer.generation).total_bytes
     except (ValueError, DistCkptError):  # no estimate: the start is not held up
-        return None
-    try:
-        with open(os.path.join(run_dir, pointer.generation, MANIFEST_NAME), "rb") as handle:
-            return Manifest.from_bytes(handle.read(), generation=pointer.generation).total_bytes
-    except (OSError, ValueError, Exception):  # noqa: BLE001 - no estimate: the start is not held up
         return None
