@@ -8,15 +8,20 @@
   the end instead of one long test starting last.
 - A test whose setup, call and teardown together take longer than ``LONG_TEST_S`` fails the
   session unless it is marked ``@pytest.mark.long(reason=...)``.
+- ``launcher`` tests hold one of ``LAUNCHER_SLOTS`` machine-wide slots while they run, so two
+  copies of the suite side by side never run more of them at once than one suite does.
 """
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import fcntl  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from collections import defaultdict  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -25,6 +30,11 @@ SHM_BASE = "/dev/shm"
 # fixtures that start a server process (moto_server, a FUSE filesystem): their tests are
 # ``processes`` tests without saying so
 SERVER_FIXTURES = frozenset({"s3_endpoint", "s3_root", "require_fuse"})
+# launcher tests run at most this many at a time on the machine, whatever number of suites
+# runs (scripts/test.sh gives their session as many workers): each is a CPU-bound chain of
+# fresh interpreters, and more side by side only stretch every one
+LAUNCHER_SLOTS = 2
+LAUNCHER_SLOT_PATH = os.path.join(tempfile.gettempdir(), "dist_ckpt-tests-launcher-slot-{}.lock")
 _elapsed: dict[str, float] = defaultdict(float)
 _long_allowed: set[str] = set()
 
@@ -48,6 +58,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.processes)
     # stable: the order inside each group is the collection order
     items.sort(key=lambda item: item.get_closest_marker("processes") is None)
+
+
+@contextmanager
+def _launcher_slot(config: pytest.Config) -> Iterator[None]:
+    """Hold this worker's machine-wide launcher slot (an flock, released if the holder dies):
+    the workers of one suite own distinct slots, so only another suite's launcher test waits."""
+    worker = getattr(config, "workerinput", {}).get("workerid", "gw0")
+    slot = int(worker.removeprefix("gw") or 0) % LAUNCHER_SLOTS
+    with open(LAUNCHER_SLOT_PATH.format(slot), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while another suite's test holds it
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Around setup, call and teardown, so that waiting for a slot is not the test's time."""
+    if item.get_closest_marker("launcher") is None:
+        yield
+        return
+    with _launcher_slot(item.config):
+        yield
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
