@@ -105,6 +105,7 @@ def test_no_torn_snapshot_when_the_step_follows_save_at_once(tmp_path) -> None:
             faults.release(step)
             stepper.join(60)
             assert not stepper.is_alive()
+            assert faults.hits()["stage.copy"] == 1  # this save's copy, once
         mgr.wait()
     for update, saved in expected.items():
         _assert_bitwise(saved, _load(str(tmp_path), update), f"generation {update}")

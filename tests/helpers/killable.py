@@ -1,7 +1,7 @@
 """Multi-rank scenarios in which a rank may die: ``run_ranks`` for the fault matrix.
 
 ``dist_ckpt.testing.run_ranks`` joins every rank and raises when one fails, which also takes
-the survivors down. Here each rank runs ``fn(rank, world, *args)`` in its own spawned process
+the survivors down. Here each rank runs ``fn(rank, world, *args)`` in a process of its own
 on a gloo group and writes its return value; a rank that is SIGKILLed simply has none. After
 ``fn`` no collective runs (a peer may be dead), so survivors exit on their own. Ranks start
 from ``dist_ckpt.testing.rank_context`` (forked from a server with torch imported).
