@@ -27,9 +27,9 @@ from .errors import (
     UntrustedGenerations,
     ValidationError,
 )
+from .format.inventory import GenerationInfo
 from .manager import CheckpointManager
 from .ops.done import DoneRecord
-from .ops.inventory import GenerationInfo
 from .restart.sampler import ResumableSampler
 from .restart.state import TrainState
 from .restore.loader import RestoreResult

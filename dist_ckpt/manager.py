@@ -29,12 +29,13 @@ from .errors import (
     GenerationExists,
     NotAtOptimizerBoundary,
 )
+from .format.inventory import GenerationInfo, inventory
 from .format.manifest import generation_name
-from .ops import janitor, retention, save_facts
+from .lifecycle import pruning as janitor
+from .lifecycle.finish import finish_run
+from .memory.runner import FlashTier
+from .ops import retention
 from .ops.done import DoneRecord
-from .ops.finish import finish_run
-from .ops.flash import FlashTier
-from .ops.inventory import GenerationInfo, inventory
 from .protocol.comm import Comm
 from .protocol.messages import PINS_KEY
 from .restart import codec
@@ -45,6 +46,7 @@ from .restore.loader import RestoreResult
 from .restore.rehearse import RehearsalResult
 from .restore.resume import resume
 from .save import agreement
+from .save import facts as save_facts
 from .save.coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save
 from .save.mirror import MirrorUploader
 from .save.planning import SavePlanCache, layout_fingerprint

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any
 
-from dist_ckpt import runinfo, shm
+from dist_ckpt import runinfo
 from dist_ckpt.errors import DistCkptError
 from dist_ckpt.format.manifest import (
     LATEST_NAME,
@@ -30,6 +30,7 @@ from dist_ckpt.format.manifest import (
     LatestPointer,
     Manifest,
 )
+from dist_ckpt.memory import paths as shm
 from dist_ckpt.save.space import free_bytes
 from dist_ckpt.storage.base import read_bounded
 from dist_ckpt.storage.local import LocalBackend
@@ -84,7 +85,7 @@ class Launcher:
                 records.emit(f"[launch] removed in-memory checkpoints {memory}")
 
     def _claim_memory(self) -> str | None:
-        """The node's shared memory for the memory tier (dist_ckpt.shm): first remove what
+        """The node's shared memory for the memory tier (dist_ckpt.memory.paths): first remove what
         dead launchers left (this run's own directory too: its launcher is gone, so are the
         bytes' guarantees), then own this run's directory until the launcher stops."""
         for stale in shm.remove_stale():

@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, runinfo, shm  # noqa: E402
+from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, runinfo  # noqa: E402
+from dist_ckpt.memory import paths as shm  # noqa: E402
 from dist_ckpt.save.staging import local_tensors  # noqa: E402
 from dist_ckpt.testing import run_ranks  # noqa: E402
 

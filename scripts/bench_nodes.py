@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_memory import build, evict, step  # noqa: E402
 
-from dist_ckpt import CheckpointConfig, CheckpointManager, runinfo, shm  # noqa: E402
+from dist_ckpt import CheckpointConfig, CheckpointManager, runinfo  # noqa: E402
+from dist_ckpt.memory import paths as shm  # noqa: E402
 from dist_ckpt.testing import run_ranks  # noqa: E402
 
 RUN = "bench-nodes"

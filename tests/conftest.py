@@ -115,7 +115,7 @@ def own_shared_memory():
     the environment), removed afterwards. A private MonkeyPatch, not the test's: an autouse
     fixture is torn down after the test's ``monkeypatch`` has undone what the test patched
     (``os.open``, say), which the removal needs."""
-    from dist_ckpt import shm
+    from dist_ckpt.memory import paths as shm
 
     base = SHM_BASE if os.path.isdir(SHM_BASE) else None
     directory = tempfile.mkdtemp(prefix="dist_ckpt_tests-", dir=base)

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dist_ckpt"
 
 # bottom to top; a module may import its own layer and the layers below (docs/architecture.md)
 LAYERS: list[set[str]] = [
-    {"errors", "version", "logs", "progress", "faults", "runinfo", "digests", "shm"},
+    {"errors", "version", "logs", "progress", "faults", "runinfo", "digests"},
     {"storage"},
     {"format", "events"},
     {"protocol", "config"},
@@ -19,12 +19,14 @@ LAYERS: list[set[str]] = [
     {"tiers"},
     {"save", "restore"},
     {"ops", "testing"},
+    {"memory"},
+    {"lifecycle"},
     {"manager"},
     {"cli", "__init__"},
 ]
 # names that only the tier and storage implementations may use: deciding by the kind of root
 KIND_NAMES = {"is_remote", "ObjectStoreBackend", "LocalBackend", "ObjectStoreTier", "RenameTier"}
-KIND_OWNERS = {"tiers", "storage", "config"}  # config: validates the shape of the URLs it is given
+KIND_OWNERS = {"tiers", "storage", "config", "memory"}  # config: validates the shape of the URLs it is given
 
 
 def module_name(path: Path) -> str:

@@ -14,7 +14,7 @@ from dist_ckpt.cli.app import FOOTNOTE, main
 from dist_ckpt.format.validate import Problem
 from dist_ckpt.ops.retention import change_pin, read_pins, set_pin
 from dist_ckpt.storage.local import LocalBackend
-from dist_ckpt.tiers.quarantine import REASON_NAME, REJECTED_DIR, move_aside
+from dist_ckpt.tiers.rejected import REASON_NAME, REJECTED_DIR, move_aside
 from tests.helpers.local_jobs import make_state, step, two_generations
 
 GEN1 = "gen-000000000001"

@@ -14,8 +14,8 @@ import uuid
 import pytest
 import torch
 
-from dist_ckpt import shm
 from dist_ckpt.format.validate import list_generations
+from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalBackend
 from tests.helpers import launchlib
 from tests.helpers.launchlib import launch, run_dir

@@ -15,9 +15,9 @@ import subprocess
 import pytest
 import torch
 
-from dist_ckpt import shm
 from dist_ckpt.format.manifest import MANIFEST_NAME, parse_generation
 from dist_ckpt.format.validate import list_generations
+from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalBackend
 from dist_ckpt.testing import free_port
 from tests.helpers import launchlib

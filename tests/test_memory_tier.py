@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
-from dist_ckpt import CheckpointConfig, ConfigError, shm
+from dist_ckpt import CheckpointConfig, ConfigError
 from dist_ckpt.format.manifest import MANIFEST_NAME
 from dist_ckpt.format.validate import list_generations
+from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalBackend
 from dist_ckpt.testing import run_ranks
 from tests.helpers import memory_jobs
@@ -94,7 +95,7 @@ def test_config_errors_name_the_field(monkeypatch, tmp_path) -> None:
         CheckpointConfig(root=str(tmp_path), persist_interval_s=60)
     with pytest.raises(ConfigError, match="persist_interval_s"):
         CheckpointConfig(root=str(tmp_path), memory_tier=True, persist_interval_s=0)
-    from dist_ckpt.tiers.memory import memory_root
+    from dist_ckpt.memory.tier import memory_root
     with pytest.raises(ConfigError, match="memory_tier"):
         memory_root(str(tmp_path), None)
     with pytest.raises(ConfigError, match="memory_tier"):
@@ -103,7 +104,7 @@ def test_config_errors_name_the_field(monkeypatch, tmp_path) -> None:
 
 def _persisted(config: CheckpointConfig, times: list[float]) -> list[int]:
     """Which of the generations committed at ``times`` (seconds after the start) persist."""
-    from dist_ckpt.ops.flash import PersistPolicy
+    from dist_ckpt.memory.runner import PersistPolicy
 
     now = [0.0]
     policy = PersistPolicy(config, clock=lambda: now[0])

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dist_ckpt.protocol.peer import PeerError, PeerFiles, fetch, push
+from dist_ckpt.memory.peer import PeerError, PeerFiles, fetch, push
 
 TOKEN = "t" * 32
 

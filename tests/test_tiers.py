@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, GenerationExists
+from dist_ckpt.format.inventory import inventory
 from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest, generation_name, read_latest_name
 from dist_ckpt.format.validate import validate
-from dist_ckpt.ops.inventory import inventory
 from dist_ckpt.tiers import CommitTier, TierOptions, open_tier
 from tests.helpers import memory_tier
 from tests.helpers.local_jobs import make_state, step, two_generations

@@ -17,13 +17,13 @@ from typing import Any
 
 from .. import progress
 from ..errors import DistCkptError, StorageError, ValidationError
+from ..format.inventory import GenerationInfo, inventory
 from ..format.manifest import LATEST_NAME, parse_generation
 from ..format.signing import key_from_env
-from ..ops.inventory import GenerationInfo, inventory
 from ..ops.retention import prune, read_pins
 from ..save.mirror import read_mirror_state
 from ..storage.base import StoreReader, open_store
-from ..tiers.quarantine import REASON_NAME, REJECTED_DIR
+from ..tiers.rejected import REASON_NAME, REJECTED_DIR
 from ..version import __version__
 from .common import (
     PROG,

@@ -7,9 +7,9 @@ import re
 import sys
 
 from ..errors import StorageError, UnsafeNameError
+from ..format.inventory import GenerationInfo, inventory
 from ..format.manifest import LATEST_NAME, PENDING_PREFIX, check_generation_name, read_latest_name
 from ..format.signing import key_from_env
-from ..ops.inventory import GenerationInfo, inventory
 from ..storage.base import Backend
 from ..tiers import CommitTier, open_tier
 

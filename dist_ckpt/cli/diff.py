@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import Any
 
+from ..format.inventory import newest_committed
 from ..format.signing import key_from_env
 from ..ops.diff import (
     COMPONENTS,
@@ -17,7 +18,6 @@ from ..ops.diff import (
     open_generation,
     split_spec,
 )
-from ..ops.inventory import newest_committed
 from .common import UsageError, checked_generation, open_root_tier
 
 DIFF_EPILOG = f"""\

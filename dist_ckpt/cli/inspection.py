@@ -10,10 +10,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..errors import StorageError, ValidationError
+from ..format.inventory import newest_committed
 from ..format.manifest import GLOBAL_STATE_FILE, Manifest
 from ..format.signing import KEY_ENV, key_from_env
 from ..format.validate import list_generations, read_manifest, read_verified, validate
-from ..ops.inventory import newest_committed
 from ..ops.retention import read_pins
 from ..restart import codec
 from ..save.mirror import read_mirror_state

@@ -8,14 +8,14 @@ import json
 from typing import IO
 
 from ..errors import DistCkptError, UnsafeNameError
+from ..format.inventory import GenerationInfo, inspect_generation
 from ..format.manifest import LATEST_NAME, MANIFEST_NAME, check_generation_name, parse_generation
 from ..format.signing import key_from_env
 from ..format.validate import Problem
-from ..ops.inventory import GenerationInfo, inspect_generation
 from ..ops.retention import change_pin, read_pins
 from ..storage.base import Backend, StoreReader
 from ..tiers import CommitTier, open_tier
-from ..tiers.quarantine import REASON_NAME, REJECTED_DIR
+from ..tiers.rejected import REASON_NAME, REJECTED_DIR
 from .common import (
     QUARANTINED_ENTRY,
     Refused,

@@ -10,9 +10,9 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import StorageError
+from ..format.inventory import inventory
 from ..format.manifest import Manifest
 from ..format.signing import key_from_env
-from ..ops.inventory import inventory
 from ..save.cadence import (
     Plan,
     Tier,

@@ -36,12 +36,12 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import progress
 from ..errors import StorageError, ValidationError
+from ..format.inventory import newest_committed
 from ..format.manifest import GLOBAL_STATE_FILE, METADATA_FILE, Manifest, parse_generation, rank_state_file
 from ..format.validate import check_digests, check_sizes, check_structure, read_verified
 from ..restart import codec
 from ..storage.base import StoreReader
 from ..tiers import CommitTier, GenerationReader, open_tier
-from .inventory import newest_committed
 
 COMPONENTS = ("contract", "counters", "data", "rng", "scheduler", "scaler", "extras", "model",
               "optimizer")

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .. import progress
 from ..errors import DistCkptError, ValidationError
+from ..format.inventory import newest_committed
 from ..format.manifest import (
     MANIFEST_NAME,
     METADATA_FILE,
@@ -65,7 +66,6 @@ from ..storage.base import Backend
 from ..storage.local import fsync_dir
 from ..tiers import CommitTier, GenerationReader, TierOptions, open_tier
 from ..version import __version__
-from .inventory import newest_committed
 from .safetensors_file import ST_DTYPES, byte_view, write_safetensors
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -16,7 +16,7 @@ from ..format.manifest import parse_generation
 from ..format.validate import Problem
 from ..protocol.comm import Comm
 from ..tiers.base import CommitTier
-from ..tiers.quarantine import REASON_NAME, REJECTED_DIR, move_aside
+from ..tiers.rejected import REASON_NAME, REJECTED_DIR, move_aside
 
 log = logs.get(__name__)
 __all__ = ["REASON_NAME", "REJECTED_DIR", "blocking", "move_aside", "move_blocking"]

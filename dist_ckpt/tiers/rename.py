@@ -32,7 +32,7 @@ from .base import (
     remove_stale_pending,
     stale_uncommitted,
 )
-from .quarantine import move_aside
+from .rejected import move_aside
 
 log = logs.get(__name__)
 COPY_CHUNK = 8 << 20

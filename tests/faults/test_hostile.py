@@ -58,6 +58,7 @@ from dist_ckpt.errors import (
     UnsafeNameError,
     ValidationError,
 )
+from dist_ckpt.format.inventory import inventory
 from dist_ckpt.format.manifest import (
     GLOBAL_STATE_FILE,
     LATEST_NAME,
@@ -72,7 +73,6 @@ from dist_ckpt.format.manifest import (
 )
 from dist_ckpt.format.signing import KEY_ENV, SIGNATURE_NAME, sign, verify
 from dist_ckpt.format.validate import list_generations, read_manifest, read_verified, validate
-from dist_ckpt.ops.inventory import inventory
 from dist_ckpt.ops.retention import PINS_NAME, read_pins
 from dist_ckpt.restore.loader import RestoreResult
 from dist_ckpt.storage.local import LocalBackend

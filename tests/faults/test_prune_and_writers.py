@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, GenerationExists
+from dist_ckpt.format.inventory import inventory
 from dist_ckpt.format.manifest import generation_name
 from dist_ckpt.format.validate import validate
-from dist_ckpt.ops.inventory import inventory
 from dist_ckpt.tiers import open_tier
 from tests.helpers.local_jobs import make_state, step
 from tests.helpers.matrix import record, timed

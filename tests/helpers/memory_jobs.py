@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from dist_ckpt import faults, runinfo, shm
+from dist_ckpt import faults, runinfo
+from dist_ckpt.memory import paths as shm
 from dist_ckpt.save import shardio
 from tests.helpers.workers import build, full_state, manager, train_step
 

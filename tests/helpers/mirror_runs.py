@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from dist_ckpt.ops.inventory import inventory
+from dist_ckpt.format.inventory import inventory
 from dist_ckpt.storage.objectstore import ObjectStoreBackend
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -2,7 +2,7 @@
 
 It is a rename tier (``tiers/rename.py``: same attempt, manifest-last and rename commit,
 node copies published by each filesystem group's leader) over
-``<shm base>/dist_ckpt-<run id>/<root digest>/`` (``dist_ckpt.shm``): the bytes live in RAM,
+``<shm base>/dist_ckpt-<run id>/<root digest>/`` (``dist_ckpt.memory.paths``): the bytes live in RAM,
 outside the worker processes, so a restarted worker finds them; fsync there costs nearly
 nothing. The node's launcher owns the run directory and removes it (``launch/``).
 
@@ -23,12 +23,13 @@ import shutil
 from collections.abc import Callable
 from typing import Protocol
 
-from .. import logs, shm
+from .. import logs
 from ..errors import ConfigError
 from ..format.manifest import DCP_DIR, Manifest, parse_generation
 from ..format.validate import Problem
-from .base import GenerationReader, LocalFilesReader
-from .rename import RenameTier
+from ..tiers.base import GenerationReader, LocalFilesReader
+from ..tiers.rename import RenameTier
+from . import paths as shm
 
 log = logs.get(__name__)
 

@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING
 
 from .. import logs, runinfo
 from ..config import CheckpointConfig
+from ..format.inventory import inspect_generation
 from ..format.manifest import MANIFEST_NAME
+from ..ops import retention
 from ..protocol.comm import Comm
 from ..save.mirror import MirrorUploader
 from ..tiers.base import CommitTier
-from ..tiers.memory import MemoryTier, open_memory_tier
-from . import retention
-from .inventory import inspect_generation
-from .replica import NodeRing
+from .ring import NodeRing
+from .tier import MemoryTier, open_memory_tier
 
 if TYPE_CHECKING:
     from ..restore.loader import RestoreResult

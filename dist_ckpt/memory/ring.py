@@ -55,10 +55,10 @@ from ..format.manifest import (
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import check_entry, list_generations
 from ..protocol.comm import Comm
-from ..protocol.peer import PeerError, PeerFiles, fetch, push
 from ..storage.local import file_digest, fsync_dir, write_durable
 from ..tiers.base import PENDING_PREFIX, pending_dir_name
-from ..tiers.memory import MemoryTier, remove_newer
+from .peer import PeerError, PeerFiles, fetch, push
+from .tier import MemoryTier, remove_newer
 
 log = logs.get(__name__)
 PEER_HOST_ENV = "DIST_CKPT_PEER_HOST"

@@ -25,7 +25,7 @@ import shutil
 import socket
 from typing import Any
 
-from . import logs
+from .. import logs
 
 log = logs.get(__name__)
 

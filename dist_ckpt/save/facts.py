@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 from .. import logs
 from ..errors import CommitError
+from ..format.inventory import inspect_generation
 from ..format.manifest import MANIFEST_NAME
 from ..protocol.comm import PendingGather
 from ..protocol.messages import SaveFacts, SpaceFacts
-from ..save import agreement
-from ..save.space import free_bytes
-from .inventory import inspect_generation
+from . import agreement
+from .space import free_bytes
 
 if TYPE_CHECKING:
     from ..manager import CheckpointManager

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from .. import runinfo
 from ..errors import CommitError
+from ..format.inventory import inspect_generation
 from ..format.manifest import MANIFEST_NAME, Manifest, generation_name, parse_generation
+from ..ops.done import DONE_NAME, DoneRecord, record_for, write_done
 from ..save.mirror import read_mirror_state
 from ..version import __version__
-from .done import DONE_NAME, DoneRecord, record_for, write_done
-from .inventory import inspect_generation
 
 if TYPE_CHECKING:
     from ..manager import CheckpointManager

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ValidationError
-from ..format.manifest import Manifest, parse_generation
-from ..format.validate import list_generations, list_pending, validate
 from ..storage.base import Backend
+from .manifest import Manifest, parse_generation
+from .validate import list_generations, list_pending, validate
 
 
 @dataclass

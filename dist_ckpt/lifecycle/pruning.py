@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .. import logs
+from ..ops import retention
 from ..protocol.messages import PINS_KEY
 from ..restore import rehearse as rehearsal
-from . import retention
 
 if TYPE_CHECKING:
     from ..manager import CheckpointManager
