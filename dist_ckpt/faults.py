@@ -95,7 +95,7 @@ Commit, rank 0 (``save/commit.py`` and the tier's ``publish``):
 ``commit.before_latest``    rank 0, rename tier: the published generation's sizes checked,
                             ``latest.json`` not yet replaced.
 
-Mirror (``save/mirror.py``, uploader threads):
+Mirror (``save/replay.py``, uploader threads):
 
 ``mirror.upload``           every rank, for each announced generation: this rank's local copy
                             is complete, none of its files uploaded (before ``put_files``).

@@ -16,13 +16,11 @@ import os
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-from . import events, faults, logs, runinfo
+from . import faults, logs, runinfo
 from .config import CheckpointConfig
+from .context import Context, Tiers
 from .errors import (
     CommitError,
     ConfigError,
@@ -31,9 +29,12 @@ from .errors import (
 )
 from .format.inventory import GenerationInfo, inventory
 from .format.manifest import generation_name
-from .lifecycle import pruning as janitor
-from .lifecycle.finish import finish_run
-from .memory.runner import FlashTier
+from .lifecycle import finish
+from .lifecycle.after_commit import AfterCommit
+from .lifecycle.finish import FinalStep
+from .lifecycle.pruning import Pruner
+from .lifecycle.replication import open_replayer
+from .memory.runner import MemoryTierRunner
 from .ops import retention
 from .ops.done import DoneRecord
 from .protocol.comm import Comm
@@ -45,10 +46,9 @@ from .restore import rehearse as rehearsal
 from .restore.loader import RestoreResult
 from .restore.rehearse import RehearsalResult
 from .restore.resume import resume
-from .save import agreement
-from .save import facts as save_facts
-from .save.coordinator import SaveJob, SaveRequest, StoreKeyRetirer, run_save
-from .save.mirror import MirrorUploader
+from .save import agreement, facts
+from .save.coordinator import SaveJob, SaveRequest, run_save
+from .save.inflight import InFlight, SaveStats
 from .save.planning import SavePlanCache, layout_fingerprint
 from .save.request import ManifestInfo
 from .save.schedule import SaveSchedule
@@ -61,8 +61,11 @@ from .version import __version__
 
 log = logs.get(__name__)
 # managers not closed yet: closed at interpreter exit, before finalisation, so that no save
-# thread is still running native code when the interpreter tears down (a crash, not an exit)
-_OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+# thread is still running native code when the interpreter tears down (a crash, not an exit).
+# Strong references: a manager the job dropped without close() still owns running threads
+# (nothing else refers to it: the save threads hold only their jobs), and must still be
+# closed here rather than vanish from a weak set.
+_OPEN: set[CheckpointManager] = set()
 
 
 @atexit.register
@@ -86,18 +89,15 @@ def reports_permanent(method):
     return wrapper
 
 
-@dataclass
-class SaveStats:
-    requested: int = 0
-    started: int = 0
-    skipped: int = 0
-    committed: int = 0
-    failed: int = 0
-    last_blocking_s: float = 0.0
-
-
 class CheckpointManager:
-    """Saves and restores the :class:`TrainState` of this rank under ``config.root``."""
+    """Saves and restores the :class:`TrainState` of this rank under ``config.root``.
+
+    A facade: the work is done by collaborators that receive a frozen :class:`Context`
+    (comm, config, state, tiers), never the manager. ``inflight`` holds the saves in flight
+    and the failures not raised yet; ``after_commit`` is what each committed generation goes
+    through (log line, replay, pruning); ``memory`` runs the node memory tier; ``replayer``
+    copies committed generations into the mirror (or memory into the root).
+    """
 
     def __init__(self, config: CheckpointConfig, state: TrainState) -> None:
         self.config = config
@@ -105,45 +105,29 @@ class CheckpointManager:
         self.snapshots = lazy_snapshots(config, state)  # None unless snapshot="lazy", async
         self.comm = Comm(timeout_s=3 * config.commit_timeout_s + 600)
         self._check_run_id()
-        self.tier: CommitTier = open_tier(config.root, TierOptions(
+        root = open_tier(config.root, TierOptions(
             storage_options=dict(config.storage_options or {}),
             scratch_root=config.cache_dir or os.path.join(
                 tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}"),
             upload_verification=config.upload_verification, direct_io=config.direct_io))
-        # memory_tier: saves commit to this node's memory; self.tier (the root) is fed from it
-        self.flash = FlashTier(config, self.tier) if config.memory_tier else None
-        self.save_tier: CommitTier = self.flash.tier if self.flash is not None else self.tier
-        self.write_root = self.save_tier.local_root  # where this node's ranks write their files
-        os.makedirs(self.write_root, exist_ok=True)
-        if self.comm.distributed:
-            self.comm.probe_shared_root(self.write_root)
-        self.save_tier.local_ranks = frozenset(self.comm.fs_group)
-        if self.comm.rank == self.comm.fs_leader:
-            # no save of this job is in flight yet: leftovers are a crashed job's
-            for tier in {id(t): t for t in (self.tier, self.save_tier)}.values():
-                tier.remove_leftover_attempts()
-            log.info("shard files under %s (%s) are written %s", self.write_root,
-                     filesystem_type(self.write_root) or "filesystem unknown",
-                     "past the page cache (O_DIRECT)" if self.save_tier.direct_io
-                     else "through the page cache")
-        self.comm.barrier()  # nobody writes before stale pending directories are gone
-        self.backend = self.tier.store
+        # memory_tier: saves commit to this node's memory; the root is fed from it
+        self.memory = MemoryTierRunner(config, root) if config.memory_tier else None
+        self.tiers = Tiers(root=root, target=self.memory.tier if self.memory is not None else root,
+                           mirror=self._open_mirror())
+        self.ctx = Context(self.comm, config, state, self.tiers)
+        self._prepare_target()
         if self.comm.rank == 0:
             try:
                 # leaders of other nodes read the pins from the store (pins.json is on this node)
-                self.comm.publish_names(PINS_KEY, retention.read_pins(self.backend))
+                self.comm.publish_names(PINS_KEY, retention.read_pins(root.store))
             except Exception:  # noqa: BLE001 - a corrupt pins.json stops pruning, not training
                 log.exception("cannot read the pins under %s", config.root)
-        self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-prune")
-        self._open_replication()
+        self.pruner = Pruner(self.ctx, self.memory)
+        self.replayer = open_replayer(self.ctx, self.memory, self.pruner)
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
+        self.after_commit = AfterCommit(self.ctx, self.staging, self.memory, self.replayer, self.pruner)
         self.plans = SavePlanCache(self.comm)
-        self.stats = SaveStats()
-        self._jobs: list[SaveJob] = []
-        self._retirer = StoreKeyRetirer(self.comm)
-        self._unraised: dict[str, CommitError] = {}
-        self._raised: set[str] = set()
-        self._lock = threading.Lock()
+        self.inflight = InFlight(self.comm)
         self._closed = False
         self._rehearsal: RehearsalResult | None = None
         self.schedule = None if config.save_every is None else SaveSchedule(
@@ -153,29 +137,37 @@ class CheckpointManager:
                        world_size=self.comm.world_size, pid=os.getpid(),
                        contract_digest=contract_mod.digest(state.contract))
 
-    def _open_replication(self) -> None:
-        """The mirror tier and its uploader, or (``memory_tier``) the replay thread that
-        persists in-memory generations to the root; none of them without either."""
+    @property
+    def stats(self) -> SaveStats:
+        return self.inflight.stats
+
+    def _open_mirror(self) -> CommitTier | None:
         config = self.config
-        self.mirror_tier: CommitTier | None = None
-        self.mirror = None
-        self.uploader: MirrorUploader | None = None
-        if config.mirror is not None:
-            self.mirror_tier = open_tier(config.mirror, TierOptions(
-                storage_options=dict(config.storage_options or {}),
-                concurrency=config.mirror_concurrency, upload_verification=config.upload_verification,
-                direct_io=config.direct_io))
-            self.mirror = self.mirror_tier.store
-            self.uploader = MirrorUploader(
-                self.comm, self.tier, self.mirror_tier, queue_length=config.mirror_queue,
-                timeout_s=config.mirror_timeout_s, signing_key=config.signing_key,
-                prune_mirror=functools.partial(janitor.prune_mirror, self)
-                if config.mirror_keep_last else None,
-                nice=config.background_nice)
-            if self.comm.rank == 0 and config.keep_last:
-                self.uploader.on_settled = lambda: self._janitor.submit(janitor.prune_local, self)
-        if self.flash is not None:
-            self.uploader = self.flash.start_persisting(self.comm)
+        if config.mirror is None:
+            return None
+        return open_tier(config.mirror, TierOptions(
+            storage_options=dict(config.storage_options or {}),
+            concurrency=config.mirror_concurrency, upload_verification=config.upload_verification,
+            direct_io=config.direct_io))
+
+    def _prepare_target(self) -> None:
+        """All ranks (collective): the directory this node's ranks write into exists and is
+        shared as the filesystem groups say; a crashed job's leftover attempts are gone
+        before anybody writes."""
+        target, write_root = self.tiers.target, self.tiers.target.local_root
+        os.makedirs(write_root, exist_ok=True)
+        if self.comm.distributed:
+            self.comm.probe_shared_root(write_root)
+        target.local_ranks = frozenset(self.comm.fs_group)
+        if self.ctx.is_fs_leader:
+            # no save of this job is in flight yet: leftovers are a crashed job's
+            for tier in {id(t): t for t in (self.tiers.root, target)}.values():
+                tier.remove_leftover_attempts()
+            log.info("shard files under %s (%s) are written %s", write_root,
+                     filesystem_type(write_root) or "filesystem unknown",
+                     "past the page cache (O_DIRECT)" if target.direct_io
+                     else "through the page cache")
+        self.comm.barrier()  # nobody writes before stale pending directories are gone
 
     def _check_run_id(self) -> None:
         # launchers of different nodes that disagree on the run would mix two runs' shards
@@ -196,7 +188,7 @@ class CheckpointManager:
         """
         self._check_open()
         if self._rehearsal is not None:  # dist-ckpt rehearse --script: one update, no write
-            rehearsal.end_script_rehearsal(self, self._rehearsal, next_update)
+            rehearsal.end_script_rehearsal(self.ctx, self._rehearsal, next_update)
         started = time.perf_counter()
         self.stats.requested += 1
         live = self.state.tensor_state()
@@ -205,14 +197,14 @@ class CheckpointManager:
         ahead: Staged | None = None
         try:
             while True:
-                self._reap()
-                pending = save_facts.gather_start(self, name, fingerprint)
+                self.inflight.reap()
+                pending = facts.gather_start(self.ctx, self.inflight, self.plans, name, fingerprint)
                 if ahead is None and self.snapshots is None \
-                        and len(self._jobs) < self.config.max_in_flight:
+                        and len(self.inflight) < self.config.max_in_flight:
                     # the eager copy runs while the peers' facts arrive
                     ahead = stage_ahead(self.staging, live, pending, self.comm.rank)
-                agreed = save_facts.gathered(self, name, pending)
-                self._raise_agreed_errors(sorted({g for f in agreed for g in f.errors}))
+                agreed = facts.gathered(self.ctx, name, pending)
+                self.inflight.raise_agreed(sorted({g for f in agreed for g in f.errors}))
                 if not all(f.boundary for f in agreed):
                     self.state.check_boundary()
                     raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
@@ -223,13 +215,12 @@ class CheckpointManager:
                     break
                 if self.config.in_flight_policy == "skip":
                     self.stats.skipped += 1
-                    log.warning("skipped save of %s: %d save(s) in flight", name, len(self._jobs))
+                    log.warning("skipped save of %s: %d save(s) in flight", name, len(self.inflight))
                     return None
                 # block: wait for the oldest save, then agree again (its failure raises here)
-                if self._jobs:
-                    self._jobs[0].done.wait()
+                self.inflight.wait_oldest()
             # once the in-flight bound allows the save: waiting or skipping comes first
-            check_space(agreed, self.config.space_headroom_bytes, self.write_root)
+            check_space(agreed, self.config.space_headroom_bytes, self.tiers.target.local_root)
             job = self._start(name, next_update, tokens_seen, live, fingerprint,
                               all(f.cached for f in agreed), agreed[0].attempt_id, started, ahead)
             ahead = None  # the job owns the slot now
@@ -263,16 +254,22 @@ class CheckpointManager:
         is written then."""
         self._check_open()
         if self._rehearsal is not None:  # a rehearsal writes neither a generation nor DONE
-            rehearsal.end_script_rehearsal(self, self._rehearsal, final_update)
-        return finish_run(self, final_update, tokens_seen)
+            rehearsal.end_script_rehearsal(self.ctx, self._rehearsal, final_update)
+        self.wait()
+        name = generation_name(final_update)
+        step = finish.final_step(self.ctx, name, self.memory)
+        if step is FinalStep.SAVE:
+            self.save(final_update, tokens_seen=tokens_seen)
+        elif step is FinalStep.PERSIST_FROM_MEMORY:
+            assert self.memory is not None
+            finish.persist_from_memory(self.ctx, self.memory, name)
+        self.wait()
+        return finish.write_done(self.ctx, name, self.replayer)
 
-    def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
-               fingerprint: str, all_cached: bool, attempt_id: str, started: float,
-               ahead: Staged | None = None) -> SaveJob:
-        state = self.state
-        state.next_update = next_update
-        if tokens_seen is not None:
-            state.tokens_seen = tokens_seen
+    def _stage(self, live: dict, name: str, fingerprint: str, all_cached: bool,
+               ahead: Staged | None) -> tuple[object, object, PendingCopy | None]:
+        """This rank's staged copy (or, without staging, the live tensors) and its save plan;
+        returns (slot, prepared plan, lazy copy still to run)."""
         if ahead is not None:
             slot = ahead.slot
         else:
@@ -289,15 +286,24 @@ class CheckpointManager:
                                                        timeout_s=self.config.commit_timeout_s)
             else:
                 staged = slot.stage(live)
-            prepared = self.plans.prepare(staged, fingerprint, all_cached)
+            return slot, self.plans.prepare(staged, fingerprint, all_cached), pending
         except BaseException:
             if slot is not None:
                 self.staging.release(slot)  # type: ignore[union-attr]
             raise
+
+    def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
+               fingerprint: str, all_cached: bool, attempt_id: str, started: float,
+               ahead: Staged | None = None) -> SaveJob:
+        state = self.state
+        state.next_update = next_update
+        if tokens_seen is not None:
+            state.tokens_seen = tokens_seen
+        slot, prepared, pending = self._stage(live, name, fingerprint, all_cached, ahead)
         is_root = self.comm.rank == 0
         request = SaveRequest(
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
-            attempt=self.save_tier.begin(name, attempt_id), prepared=prepared,
+            attempt=self.tiers.target.begin(name, attempt_id), prepared=prepared,  # type: ignore[arg-type]
             signing_key=self.config.signing_key,
             digest_algorithm=self.config.digest_algorithm,
             rank_state=codec.dumps(state.rank_state()),
@@ -307,86 +313,29 @@ class CheckpointManager:
                              contract_digest=contract_mod.digest(state.contract),
                              dist_ckpt_version=__version__) if is_root else None,
         )
-
-        def on_done(finished: SaveJob) -> None:
-            if slot is not None:
-                self.staging.release(slot)  # type: ignore[union-attr]
-            if not finished.committed:
-                return
-            if is_root:
-                events.log_commit(finished, self.save_tier.url if self.flash else self.config.root,
-                                  asynchronous=self.config.async_save)
-            if self.uploader is not None:
-                self.uploader.local_committed(name)
-            if is_root and self.uploader is not None and finished.manifest_raw is not None \
-                    and (self.flash is None or self.flash.persists(name)):
-                self.uploader.enqueue(name, finished.manifest_raw)
-            if self.comm.rank == self.comm.fs_leader and (self.config.keep_last or self.flash):
-                # off the commit path: wait() and the in-flight slot do not include deletions
-                self._janitor.submit(janitor.prune_local, self)
-
-        job = SaveJob(request, on_done=on_done)
+        job = SaveJob(request, on_done=functools.partial(self.after_commit.finished, slot))
         job.blocking_s = time.perf_counter() - started  # set before the background thread starts
-        self.stats.started += 1
         args = (job, self.comm, self.config.io_threads, self.config.commit_timeout_s)
         if self.config.async_save:
             job.thread = threading.Thread(target=run_after_copy,
                                           args=(pending, *args, self.config.background_nice),
                                           daemon=True, name=f"dist-ckpt-save-{name}")
-            self._jobs.append(job)
+            self.inflight.add(job)
             if pending is not None:
                 self.snapshots.track(pending)  # type: ignore[union-attr]
             job.thread.start()
         else:
             run_save(*args)
             job.blocking_s = time.perf_counter() - started
-            self._jobs.append(job)
-            self._reap()
-            self._raise_unraised()
+            self.inflight.add(job)
+            self.inflight.reap()
+            self.inflight.raise_unraised()
         return job
 
-    # ---- errors and draining ---------------------------------------------------------
-    def _reap(self) -> None:
-        for job in [j for j in self._jobs if j.done.is_set()]:
-            self._jobs.remove(job)
-            if job.thread is not None:
-                # done is set as the thread's last step: a daemon thread still unwinding when
-                # the interpreter finalises would be killed inside native code
-                job.thread.join(timeout=10)
-            self._retirer.retire(job)
-            if job.committed:
-                self.stats.committed += 1
-            else:
-                self.stats.failed += 1
-                gen = job.request.generation
-                if job.error is not None and gen not in self._raised:
-                    self._unraised[gen] = job.error
-
-    def _raise_agreed_errors(self, generations: list[str]) -> None:
-        if not generations:
-            return
-        failures: dict[int, str] = {}
-        for gen in generations:
-            known = self._unraised.pop(gen, None)
-            if known is not None:
-                failures.update(known.failures)
-            self._raised.add(gen)
-        raise CommitError(f"generation(s) {', '.join(generations)} failed to commit",
-                          generation=generations[-1], failures=failures)
-
-    def _raise_unraised(self) -> None:
-        self._raise_agreed_errors(sorted(self._unraised))
-
+    # ---- draining --------------------------------------------------------------------
     def wait(self, timeout_s: float | None = None) -> None:
         """Drain every save in flight on this rank; raise failures not yet raised (once)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for job in list(self._jobs):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not job.done.wait(remaining):
-                raise CommitError(f"{job.request.generation} still in flight after {timeout_s} s",
-                                  generation=job.request.generation)
-        self._reap()
-        self._raise_unraised()
+        self.inflight.wait(timeout_s)
 
     def wait_staged(self) -> None:
         """With ``snapshot="lazy"``: return once the tensor copies of the saves in flight no
@@ -415,35 +364,26 @@ class CheckpointManager:
         deadline = time.monotonic() + self.config.close_timeout_s
         try:
             self.wait(self.config.close_timeout_s)
-            if self.uploader is not None and self.comm.rank == 0 and not self.uploader.drain(
+            if self.replayer is not None and self.comm.rank == 0 and not self.replayer.drain(
                     self.config.close_timeout_s):
                 log.error("mirror uploads still pending at close; they are not durable remotely")
         finally:
             self._closed = True
-            if self.uploader is not None:
-                self.uploader.close(self.config.close_timeout_s)
-            self._janitor.shutdown(wait=True)
-            self._join_save_threads(deadline)
-            if self.flash is not None:
-                self.flash.close(after_error)
+            if self.replayer is not None:
+                self.replayer.close(self.config.close_timeout_s)
+            self.pruner.close()
+            running = self.inflight.join(deadline)
+            if running:
+                log.error("save(s) %s still running at close; they fail if the process exits first",
+                          ", ".join(running))
+            if self.memory is not None:
+                self.memory.close(after_error)
             if self.snapshots is not None:
                 self.snapshots.close()  # the optimizer step pre-hooks
-            if self.staging is not None and not self._jobs:
+            if self.staging is not None and not self.inflight.jobs:
                 self.staging.free()
             self.plans.clear()
             self.comm.close()
-
-    def _join_save_threads(self, deadline: float) -> None:
-        """After a failed or timed-out ``wait``: join the save threads still listed until the
-        deadline and reap them. One still running is reported: it is a daemon thread, which
-        the interpreter kills at exit."""
-        for job in list(self._jobs):
-            if job.thread is not None:
-                job.thread.join(max(0.0, deadline - time.monotonic()))
-        self._reap()
-        if self._jobs:
-            log.error("save(s) %s still running at close; they fail if the process exits first",
-                      ", ".join(job.request.generation for job in self._jobs))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -459,14 +399,14 @@ class CheckpointManager:
         self.wait_staged()  # loading writes into the live tensors
         target = rehearsal.script_mode()
         if target is not None:
-            self._rehearsal = rehearsal.rehearse(self, None if target == "newest" else target, None)
+            self._rehearsal = rehearsal.rehearse(self.ctx, None if target == "newest" else target, None)
             return RestoreResult(next_update=self._rehearsal.next_update,
                                  generation=self._rehearsal.generation)
-        if self.flash is not None:
-            self.flash.before_restore()
-        result = resume(self, components, allow_contract_change, verify_digests)
-        if self.flash is not None:
-            self.flash.after_restore(self.comm, result)
+        if self.memory is not None:
+            self.memory.before_restore()
+        result = resume(self.ctx, components, allow_contract_change, verify_digests)
+        if self.memory is not None:
+            self.memory.after_restore(self.comm, result)
         if self.schedule is not None and result.generation is not None:
             self.schedule.last_saved = result.next_update
         return result
@@ -479,7 +419,7 @@ class CheckpointManager:
         of the updated state) in ``ROOT/rehearsals.json``. Raises ``RehearsalFailed`` naming
         the component (contract, model, optimizer, rng, load) that failed."""
         self._check_open()
-        return rehearsal.rehearse(self, generation, step_fn)
+        return rehearsal.rehearse(self.ctx, generation, step_fn)
 
     def pin(self, generation: str, label: str | None = "pinned") -> dict[str, str]:
         """Pin a committed generation so that no pruning deletes it (``label=None`` unpins).
@@ -488,12 +428,13 @@ class CheckpointManager:
         the new pins or raises the same error.
         """
         self._check_open()
-        return retention.pin_on_all_ranks(self.comm, self.backend, self.mirror, generation, label)
+        mirror = self.tiers.mirror.store if self.tiers.mirror is not None else None
+        return retention.pin_on_all_ranks(self.comm, self.tiers.root.store, mirror, generation, label)
 
     def generations(self) -> list[GenerationInfo]:
         """Every generation under the root, newest first, with its state (no digest check;
         with a signing key, a generation whose manifest signature fails is invalid)."""
-        return inventory(self.backend, digests=False, key=self.config.signing_key)
+        return inventory(self.tiers.root.store, digests=False, key=self.config.signing_key)
 
     def __enter__(self) -> CheckpointManager:
         return self

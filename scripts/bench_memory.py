@@ -102,7 +102,7 @@ def job(rank: int, world: int, root: str, shm_dir: str, memory: bool, mib: int, 
             # step's timing): the copy save() is held to, under the same load as its own
             copies.append(spare.copy())
             # an earlier save still in flight here: save() waits for it (the in-flight bound)
-            queued.append(any(not job.done.is_set() for job in mgr._jobs))
+            queued.append(any(not job.done.is_set() for job in mgr.inflight.jobs))
             started = time.perf_counter()
             mgr.save(update)
             blocking.append(time.perf_counter() - started)

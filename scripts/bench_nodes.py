@@ -63,7 +63,7 @@ def resume(rank: int, world: int, root: str, shm_dir: str, mib: int, memory: boo
         began = time.perf_counter()
         result = mgr.restore()
         elapsed = time.perf_counter() - began
-        fetched = mgr.flash.ring.fetched if mgr.flash is not None and mgr.flash.ring else 0
+        fetched = mgr.memory.ring.fetched if mgr.memory is not None and mgr.memory.ring else 0
     return {"restore_s": elapsed, "tier": result.tier, "generation": result.generation,
             "fetched": fetched}
 

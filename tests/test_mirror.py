@@ -10,7 +10,7 @@ import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
 from dist_ckpt.cli.app import main as cli
-from dist_ckpt.save.mirror import read_mirror_state
+from dist_ckpt.save.replay import read_mirror_state
 from tests.helpers.local_jobs import make_state, step
 from tests.helpers.mirror_runs import remote_states, run_job
 
@@ -43,7 +43,7 @@ def test_retention_per_tier(s3_root: str, tmp_path) -> None:
         for update in range(1, 6):
             step(state)
             mgr.save(update)
-            assert mgr.uploader.drain(60)  # no skipping: every generation reaches the mirror
+            assert mgr.replayer.drain(60)  # no skipping: every generation reaches the mirror
     local = sorted(n for n in os.listdir(root) if n.startswith("gen-"))
     assert local == ["gen-000000000004", "gen-000000000005"]
     assert sorted(remote_states(s3_root)) == [f"gen-{n:012d}" for n in (3, 4, 5)]

@@ -29,7 +29,7 @@ def test_manager_keeps_last_milestones_and_pins(tmp_path) -> None:
         for update in range(2, 8):
             step(state)
             mgr.save(update)
-            mgr._janitor.submit(lambda: None).result()  # the prune queued by this save ran
+            mgr.pruner.settle()  # the prune queued by this save ran
     # newest two (6, 7), milestones (3, 6) and the pinned best (1)
     assert committed(root) == [1, 3, 6, 7]
 
@@ -70,7 +70,7 @@ def test_corrupt_pins_file_deletes_nothing(tmp_path, caplog: pytest.LogCaptureFi
         for update in (1, 2, 3):
             step(state)
             mgr.save(update)
-            mgr._janitor.submit(lambda: None).result()
+            mgr.pruner.settle()
     assert committed(root) == [1, 2, 3]
     assert "local retention pass failed" in caplog.text
     assert cli(["prune", root, "--keep-last", "1"]) == 1
@@ -86,7 +86,7 @@ def test_pins_reach_the_mirror(s3_root: str, tmp_path) -> None:
             step(state)
             mgr.save(update)
         mgr.wait()
-        assert mgr.uploader is not None and mgr.uploader.drain(60)
+        assert mgr.replayer is not None and mgr.replayer.drain(60)
         mgr.pin("gen-000000000001", "best")
     # an operator's prune of the mirror alone keeps what the job pinned
     assert cli(["prune", s3_root, "--keep-last", "1"]) == 0

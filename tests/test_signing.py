@@ -136,7 +136,7 @@ def test_forged_manifests_do_not_push_real_generations_out(tmp_path) -> None:
                                                          "next_update": forged}).to_bytes())
         step(state)
         mgr.save(3)
-        mgr._janitor.submit(lambda: None).result()  # the prune queued by this save ran
+        mgr.pruner.settle()  # the prune queued by this save ran
     names = sorted(n for n in os.listdir(root) if n.startswith("gen-"))
     # the real newest two stay; the forgeries are neither counted nor deleted
     assert names == ["gen-000000000002", "gen-000000000003", "gen-000000000100", "gen-000000000101"]

@@ -21,7 +21,7 @@ from ..format.inventory import GenerationInfo, inventory
 from ..format.manifest import LATEST_NAME, parse_generation
 from ..format.signing import key_from_env
 from ..ops.retention import prune, read_pins
-from ..save.mirror import read_mirror_state
+from ..save.replay import read_mirror_state
 from ..storage.base import StoreReader, open_store
 from ..tiers.rejected import REASON_NAME, REJECTED_DIR
 from ..version import __version__

@@ -16,7 +16,7 @@ from ..format.signing import KEY_ENV, key_from_env
 from ..format.validate import list_generations, read_manifest, read_verified, validate
 from ..ops.retention import read_pins
 from ..restart import codec
-from ..save.mirror import read_mirror_state
+from ..save.replay import read_mirror_state
 from ..storage.base import Backend
 from ..tiers import CommitTier
 from .common import (

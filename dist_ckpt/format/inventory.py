@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import ValidationError
 from ..storage.base import Backend
-from .manifest import Manifest, parse_generation
+from .manifest import MANIFEST_NAME, Manifest, parse_generation
 from .validate import list_generations, list_pending, validate
 
 
@@ -50,3 +50,11 @@ def newest_committed(backend: Backend, key: bytes | None = None) -> str | None:
         if inspect_generation(backend, name, digests=False, key=key).state == "committed":
             return name
     return None
+
+
+def is_committed(store: Backend, name: str, key: bytes | None = None) -> bool:
+    """Whether generation ``name`` is committed in ``store``: its manifest exists and the
+    structure and sizes check out (digests are not read)."""
+    if not store.exists(f"{name}/{MANIFEST_NAME}"):
+        return False
+    return inspect_generation(store, name, digests=False, key=key).state == "committed"

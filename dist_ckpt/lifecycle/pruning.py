@@ -1,56 +1,79 @@
-"""Retention passes a manager runs off the commit path.
+"""Retention passes a job runs off the commit path.
 
-Call order: ``prune_local`` runs in the manager's janitor thread on each filesystem leader
-after each committed save (and on rank 0 after each mirror upload settles);
-``prune_mirror`` runs in rank 0's mirror thread after each completed upload. A failure
-deletes nothing and is logged: retention must never break training.
+Call order: ``submit`` (each filesystem leader, after each committed save; rank 0 also after
+each replay settles) queues ``prune_local`` on the one pruning thread; ``prune_destination``
+runs in rank 0's replay thread after each completed copy into the mirror; ``settle`` waits for
+the passes queued so far; ``close`` (every rank, at the manager's close) drains the thread.
+A failure deletes nothing and is logged: retention must never break training.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
 
 from .. import logs
+from ..context import Context
+from ..format.inventory import inventory
+from ..memory.runner import MemoryTierRunner
 from ..ops import retention
 from ..protocol.messages import PINS_KEY
 from ..restore import rehearse as rehearsal
-
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
+from ..save.replay import Replayer
 
 log = logs.get(__name__)
 
 
-def prune_local(mgr: CheckpointManager) -> None:
-    """Local retention; generations still waiting for the mirror are kept (a corrupt
-    pins.json, say, deletes nothing)."""
-    if mgr.flash is not None:
-        mgr.flash.replicate()  # first: the generation sent is never pruned meanwhile
-        mgr.flash.prune_memory()  # the root is pruned after each persistence
-        return
-    if not mgr.config.keep_last:
-        return
-    try:
-        _prune_local_now(mgr)
-    except Exception:  # noqa: BLE001 - retention must never break training
-        log.exception("local retention pass failed")
+class Pruner:
+    """One per rank. ``replayer`` is set once replication is open: the generations it still
+    has to copy are never pruned."""
 
+    def __init__(self, ctx: Context, memory: MemoryTierRunner | None) -> None:
+        self.ctx = ctx
+        self.memory = memory
+        self.replayer: Replayer | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-prune")
 
-def _prune_local_now(mgr: CheckpointManager) -> None:
-    config = mgr.config
-    committed = [g.name for g in mgr.generations() if g.state == "committed"]
-    if config.require_rehearsal and committed and not rehearsal.passed(mgr.backend, committed[0]):
-        log.info("retention waits: %s has not passed a rehearsal (require_rehearsal)", committed[0])
-        return
-    pinned = frozenset(mgr.uploader.pending()) if mgr.uploader is not None else frozenset()
-    pinned |= mgr.comm.read_names(PINS_KEY)
-    retention.prune(mgr.tier, keep_last=config.keep_last, keep_every=config.keep_every,
-                    pinned=pinned, key=config.signing_key, committed=committed)
+    def submit(self) -> None:
+        self._thread.submit(self.prune_local)
 
+    def settle(self) -> None:
+        """Return once every pass queued before this call has run."""
+        self._thread.submit(lambda: None).result()
 
-def prune_mirror(mgr: CheckpointManager) -> None:
-    """Rank 0's uploader, after each completed upload; pins live in the local root."""
-    assert mgr.mirror_tier is not None
-    retention.prune(mgr.mirror_tier, keep_last=mgr.config.mirror_keep_last,
-                    keep_every=mgr.config.keep_every, key=mgr.config.signing_key,
-                    pinned=frozenset(retention.read_pins(mgr.backend)))
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    def prune_local(self) -> None:
+        """Local retention; generations still waiting for their replay are kept (a corrupt
+        pins.json, say, deletes nothing)."""
+        if self.memory is not None:
+            self.memory.replicate()  # first: the generation sent is never pruned meanwhile
+            self.memory.prune_memory()  # the root is pruned after each persistence
+            return
+        if not self.ctx.config.keep_last:
+            return
+        try:
+            self._prune_root()
+        except Exception:  # noqa: BLE001 - retention must never break training
+            log.exception("local retention pass failed")
+
+    def _prune_root(self) -> None:
+        config, root = self.ctx.config, self.ctx.tiers.root
+        committed = [g.name for g in inventory(root.store, digests=False, key=config.signing_key)
+                     if g.state == "committed"]
+        if config.require_rehearsal and committed and not rehearsal.passed(root.store, committed[0]):
+            log.info("retention waits: %s has not passed a rehearsal (require_rehearsal)", committed[0])
+            return
+        pinned = frozenset(self.replayer.pending()) if self.replayer is not None else frozenset()
+        pinned |= self.ctx.comm.read_names(PINS_KEY)
+        retention.prune(root, keep_last=config.keep_last, keep_every=config.keep_every,
+                        pinned=pinned, key=config.signing_key, committed=committed)
+
+    def prune_destination(self) -> None:
+        """Rank 0's replay thread, after each completed copy into the mirror; pins live in the
+        root."""
+        config, mirror = self.ctx.config, self.ctx.tiers.mirror
+        assert mirror is not None
+        retention.prune(mirror, keep_last=config.mirror_keep_last, keep_every=config.keep_every,
+                        key=config.signing_key,
+                        pinned=frozenset(retention.read_pins(self.ctx.tiers.root.store)))

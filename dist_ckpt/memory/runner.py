@@ -2,8 +2,8 @@
 
 Saves commit to the memory tier (``tiers/memory.py``) with the usual protocol (agreement,
 write, every rank's report, rank 0's manifest-last commit under ``commit_timeout_s``; node
-copies by each filesystem leader). The persistent root is fed from memory by the mirror
-machinery (``save/mirror.py``: one replay thread per rank, every rank's report, rank 0's
+copies by each filesystem leader). The persistent root is fed from memory by a replay
+(``save/replay.py``: one replay thread per rank, every rank's report, rank 0's
 manifest-last publish under ``mirror_timeout_s``), for every ``persist_every``-th committed
 in-memory generation and for the final one of ``finish()``. Each replayed file is hashed as
 it is copied: bytes changed in memory never become a persistent generation.
@@ -33,11 +33,9 @@ from typing import TYPE_CHECKING
 
 from .. import logs, runinfo
 from ..config import CheckpointConfig
-from ..format.inventory import inspect_generation
-from ..format.manifest import MANIFEST_NAME
 from ..ops import retention
 from ..protocol.comm import Comm
-from ..save.mirror import MirrorUploader
+from ..save.replay import Replayer
 from ..tiers.base import CommitTier
 from .ring import NodeRing
 from .tier import MemoryTier, open_memory_tier
@@ -73,31 +71,31 @@ class PersistPolicy:
         return by_count or by_time
 
 
-class FlashTier:
+class MemoryTierRunner:
     """One per rank. ``tier`` is the save target; ``root`` the persistent tier behind it."""
 
     def __init__(self, config: CheckpointConfig, root: CommitTier) -> None:
         self.config = config
         self.root = root
         self.tier: MemoryTier = open_memory_tier(config.root, os.environ.get(runinfo.RUN_ID_ENV))
-        self.uploader: MirrorUploader | None = None
+        self.persister: Replayer | None = None
         self.policy = PersistPolicy(config)
         self._forced: set[str] = set()
         self._lock = threading.Lock()
         self.ring: NodeRing | None = None
 
-    def start_persisting(self, comm: Comm) -> MirrorUploader:
+    def start_persisting(self, comm: Comm) -> Replayer:
         """Every rank, once the filesystem groups are known: the replay thread to the root."""
-        self.uploader = MirrorUploader(
+        self.persister = Replayer(
             comm, self.tier, self.root, queue_length=self.config.mirror_queue,
             timeout_s=self.config.mirror_timeout_s, signing_key=self.config.signing_key,
-            prune_mirror=self.prune_root if self.config.keep_last else None,
+            prune_destination=self.prune_root if self.config.keep_last else None,
             nice=self.config.background_nice)
         if comm.rank == 0:
-            self.uploader.on_settled = self.prune_memory
+            self.persister.on_settled = self.prune_memory
         self.ring = NodeRing(comm, self.tier, replicate=self.config.memory_replica)
         self.tier.peers = self.ring
-        return self.uploader
+        return self.persister
 
     def persists(self, generation: str) -> bool:
         with self._lock:
@@ -109,17 +107,10 @@ class FlashTier:
         with self._lock:
             self._forced.add(generation)
 
-    def holds(self, generation: str) -> bool:
-        """Rank 0: this node's memory holds ``generation`` committed (finish after a restart)."""
-        if not self.tier.store.exists(f"{generation}/{MANIFEST_NAME}"):
-            return False
-        return inspect_generation(self.tier.store, generation, digests=False,
-                                  key=self.config.signing_key).state == "committed"
-
     def prune_memory(self) -> None:
         """Janitor thread (leaders) and rank 0's persistence thread: never while this node's
         generation is being sent to its ring successor (the ring's lock)."""
-        pinned = frozenset(self.uploader.pending()) if self.uploader is not None else frozenset()
+        pinned = frozenset(self.persister.pending()) if self.persister is not None else frozenset()
         with self.ring.push_lock if self.ring is not None else contextlib.nullcontext():
             try:
                 if self.ring is not None:  # a lost node's peers keep what rebuilds it

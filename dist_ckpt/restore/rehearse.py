@@ -24,17 +24,18 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+from ..context import Context
 from ..errors import DistCkptError, LayoutMismatch, StorageError, ValidationError
 from ..format.manifest import Manifest, rank_state_file
 from ..format.validate import read_verified
 from ..restart import codec, rng
 from ..restart import contract as contract_mod
-from ..storage.base import Backend
+from ..storage.base import Store
 from ..tiers.base import CommitTier
 from .layout import check_layout
 from .loader import (
@@ -42,9 +43,6 @@ from .loader import (
     select_generation,
     validate_everywhere,
 )
-
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
 
 REHEARSALS_NAME = "rehearsals.json"
 REHEARSE_ENV = "DIST_CKPT_REHEARSE"  # set by `dist-ckpt rehearse`: a generation name or "newest"
@@ -70,14 +68,14 @@ class RehearsalResult:
     rejected: list[str] = field(default_factory=list)
 
 
-def rehearse(mgr: CheckpointManager, generation: str | None,
+def rehearse(ctx: Context, generation: str | None,
              step_fn: Callable[[Any], float] | None) -> RehearsalResult:
-    comm, config = mgr.comm, mgr.config
-    name, manifest, tier, rejected = _choose(mgr, generation)
+    comm, config = ctx.comm, ctx.config
+    name, manifest, tier, rejected = _choose(ctx, generation)
     try:
-        _check(mgr, tier, name, manifest)
+        _check(ctx, tier, name, manifest)
         try:
-            load_generation(comm, tier, mgr.state, name, manifest, mgr.state.components,
+            load_generation(comm, tier, ctx.state, name, manifest, ctx.state.components,
                             allow_contract_change=config.allow_contract_change,
                             strict_torch_version=config.strict_torch_version,
                             scratch_parent=config.cache_dir)
@@ -85,63 +83,63 @@ def rehearse(mgr: CheckpointManager, generation: str | None,
             raise RehearsalFailed(name, "load", f"{type(exc).__name__}: {exc}") from exc
         result = RehearsalResult(name, manifest.next_update, rejected=[str(p) for p in rejected])
         if step_fn is not None:
-            result.loss = float(step_fn(mgr.state))
-            result.digest = _digest(mgr)
+            result.loss = float(step_fn(ctx.state))
+            result.digest = _digest(ctx)
     except RehearsalFailed as failure:
-        _record(mgr, name, {"passed": False, "component": failure.component, "reason": failure.reason})
+        _record(ctx, name, {"passed": False, "component": failure.component, "reason": failure.reason})
         raise
-    _record(mgr, name, {"passed": True, "loss": result.loss, "digest": result.digest})
+    _record(ctx, name, {"passed": True, "loss": result.loss, "digest": result.digest})
     return result
 
 
-def _choose(mgr: CheckpointManager, generation: str | None) -> tuple[str, Manifest, CommitTier, list]:
-    tiers = [mgr.tier] + ([mgr.mirror_tier] if mgr.mirror_tier is not None else [])
-    key = mgr.config.signing_key
+def _choose(ctx: Context, generation: str | None) -> tuple[str, Manifest, CommitTier, list]:
+    tiers = ctx.tiers.persistent()
+    key = ctx.config.signing_key
     if generation is None:
-        name, manifest, tier, rejected = select_generation(mgr.comm, tiers, key=key)
+        name, manifest, tier, rejected = select_generation(ctx.comm, tiers, key=key)
         if name is None or manifest is None or tier is None:
-            raise ValidationError(f"no generation under {mgr.config.root} validates; nothing to rehearse")
+            raise ValidationError(f"no generation under {ctx.config.root} validates; nothing to rehearse")
         return name, manifest, tier, rejected
-    verdict = validate_everywhere(mgr.comm, mgr.backend, generation, digests=True, key=key)
+    verdict = validate_everywhere(ctx.comm, ctx.tiers.root.store, generation, digests=True, key=key)
     if not isinstance(verdict, Manifest):
         raise RehearsalFailed(generation, "integrity", str(verdict))
-    return generation, verdict, mgr.tier, []
+    return generation, verdict, ctx.tiers.root, []
 
 
-def _check(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: Manifest) -> None:
+def _check(ctx: Context, tier: CommitTier, name: str, manifest: Manifest) -> None:
     """Every rank checks its own view; the first problem of any rank is raised everywhere."""
     problem: tuple[str, str] | None = None
     try:
-        _check_contract(mgr, manifest)
-        _check_tensors(mgr, tier, name, manifest)
-        _check_rng(mgr, tier.store, name, manifest)
+        _check_contract(ctx, manifest)
+        _check_tensors(ctx, tier, name, manifest)
+        _check_rng(ctx, tier.store, name, manifest)
     except RehearsalFailed as failure:
         problem = (failure.component, failure.reason)
-    problems = [p for p in mgr.comm.all_gather(problem) if p is not None]
+    problems = [p for p in ctx.comm.all_gather(problem) if p is not None]
     if problems:
         raise RehearsalFailed(name, *problems[0])
 
 
-def _check_contract(mgr: CheckpointManager, manifest: Manifest) -> None:
+def _check_contract(ctx: Context, manifest: Manifest) -> None:
     try:
-        contract_mod.check(manifest.contract, mgr.state.contract,
-                           allow_change=mgr.config.allow_contract_change)
+        contract_mod.check(manifest.contract, ctx.state.contract,
+                           allow_change=ctx.config.allow_contract_change)
     except DistCkptError as exc:
         raise RehearsalFailed(manifest.generation, "contract", str(exc)) from exc
-    missing = [c for c in mgr.state.components if c not in manifest.components]
+    missing = [c for c in ctx.state.components if c not in manifest.components]
     if missing:
         raise RehearsalFailed(manifest.generation, missing[0],
                               f"the generation holds no {missing} state but the job has one")
 
 
-def _check_tensors(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: Manifest) -> None:
-    reader = tier.open_reader(name, manifest, mgr.config.cache_dir)
+def _check_tensors(ctx: Context, tier: CommitTier, name: str, manifest: Manifest) -> None:
+    reader = tier.open_reader(name, manifest, ctx.config.cache_dir)
     try:
         metadata = reader.read_metadata()
     finally:
         reader.close()
     try:
-        check_layout(name, metadata, mgr.state.tensor_state())
+        check_layout(name, metadata, ctx.state.tensor_state())
     except LayoutMismatch as exc:
         if exc.missing:
             key, reason = exc.missing[0], f"{exc.missing[0]} is missing from the generation"
@@ -156,14 +154,14 @@ def _check_tensors(mgr: CheckpointManager, tier: CommitTier, name: str, manifest
         raise RehearsalFailed(name, COMPONENT_OF_PREFIX.get(key.split(".", 1)[0], "model"), reason) from exc
 
 
-def _check_rng(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:
-    rank = mgr.comm.rank if mgr.comm.rank < manifest.world_size else 0
+def _check_rng(ctx: Context, backend: Store, name: str, manifest: Manifest) -> None:
+    rank = ctx.comm.rank if ctx.comm.rank < manifest.world_size else 0
     try:
         raw = read_verified(backend, name, manifest, rank_state_file(rank), validated=True)
         saved = codec.loads(raw)["rng"]
     except (DistCkptError, OSError, KeyError) as exc:
         raise RehearsalFailed(name, "rng", f"unreadable rank state: {exc}") from exc
-    current = rng.capture(mgr.state.numpy_generators)
+    current = rng.capture(ctx.state.numpy_generators)
     if sorted(saved) != sorted(current):
         raise RehearsalFailed(name, "rng", f"saved sources {sorted(saved)}, the job has {sorted(current)}")
     if sorted(saved["numpy_generators"]) != sorted(current["numpy_generators"]):
@@ -171,8 +169,8 @@ def _check_rng(mgr: CheckpointManager, backend: Backend, name: str, manifest: Ma
                                            f"the job registers {sorted(current['numpy_generators'])}")
 
 
-def _digest(mgr: CheckpointManager) -> str:
-    flat, _ = flatten_state_dict(mgr.state.tensor_state())
+def _digest(ctx: Context) -> str:
+    flat, _ = flatten_state_dict(ctx.state.tensor_state())
     local = hashlib.sha256()
     for key in sorted(flat):
         value = flat[key]
@@ -180,11 +178,11 @@ def _digest(mgr: CheckpointManager) -> str:
             tensor = value.to_local() if hasattr(value, "to_local") else value
             local.update(key.encode())
             local.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    combined = hashlib.sha256("".join(mgr.comm.all_gather(local.hexdigest())).encode())
+    combined = hashlib.sha256("".join(ctx.comm.all_gather(local.hexdigest())).encode())
     return combined.hexdigest()
 
 
-def read_rehearsals(backend: Backend) -> dict[str, dict[str, Any]]:
+def read_rehearsals(backend: Store) -> dict[str, dict[str, Any]]:
     try:
         loaded = json.loads(backend.read_bytes(REHEARSALS_NAME))
     except (FileNotFoundError, StorageError, ValueError):
@@ -192,16 +190,16 @@ def read_rehearsals(backend: Backend) -> dict[str, dict[str, Any]]:
     return loaded if isinstance(loaded, dict) else {}
 
 
-def passed(backend: Backend, generation: str) -> bool:
+def passed(backend: Store, generation: str) -> bool:
     return bool(read_rehearsals(backend).get(generation, {}).get("passed"))
 
 
-def _record(mgr: CheckpointManager, name: str, outcome: dict[str, Any]) -> None:
-    if mgr.comm.rank == 0:
-        records = read_rehearsals(mgr.backend)
+def _record(ctx: Context, name: str, outcome: dict[str, Any]) -> None:
+    if ctx.comm.rank == 0:
+        records = read_rehearsals(ctx.tiers.root.store)
         records[name] = {**outcome, "time_unix": time.time()}
-        mgr.backend.put_bytes(REHEARSALS_NAME, json.dumps(records, indent=1).encode())
-    mgr.comm.barrier()  # every rank returns after the record is durable
+        ctx.tiers.root.store.put_bytes(REHEARSALS_NAME, json.dumps(records, indent=1).encode())
+    ctx.comm.barrier()  # every rank returns after the record is durable
 
 
 def script_mode() -> str | None:
@@ -209,9 +207,9 @@ def script_mode() -> str | None:
     return os.environ.get(REHEARSE_ENV) or None
 
 
-def end_script_rehearsal(mgr: CheckpointManager, result: RehearsalResult, next_update: int) -> None:
+def end_script_rehearsal(ctx: Context, result: RehearsalResult, next_update: int) -> None:
     """All ranks, at the script's first save after the rehearsed restore: nothing is written;
     the updated state's digest is recorded and the process ends successfully."""
-    _record(mgr, result.generation, {"passed": True, "loss": None, "digest": _digest(mgr),
+    _record(ctx, result.generation, {"passed": True, "loss": None, "digest": _digest(ctx),
                                      "updates": next_update - result.next_update})
     raise SystemExit(0)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-from .. import events, faults, runinfo
+from .. import faults, logs, runinfo
+from ..context import Context
 from ..errors import (
     StorageError,
     UnsafeFileError,
@@ -39,34 +39,31 @@ from ..tiers.base import CommitTier
 from . import quarantine
 from .loader import RestoreResult, load_generation, select_generation
 
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
+log = logs.get("dist_ckpt.manager")
 
 
-def resume(mgr: CheckpointManager, components: Iterable[str] | None,
+def resume(ctx: Context, components: Iterable[str] | None,
            allow_contract_change: bool | None, verify_digests: bool) -> RestoreResult:
-    # newest first across tiers; for one name, memory (no storage read) before the root
-    tiers = ([mgr.save_tier] if mgr.save_tier is not mgr.tier else []) + [mgr.tier] \
-        + ([mgr.mirror_tier] if mgr.mirror_tier is not None else [])
+    tiers = ctx.tiers.newest_first()
     # with digests on, the shards are hashed by the load itself: every byte is read once
-    select = functools.partial(select_generation, mgr.comm, tiers, digests=verify_digests,
-                               key=mgr.config.signing_key, shards_on_load=verify_digests)
+    select = functools.partial(select_generation, ctx.comm, tiers, digests=verify_digests,
+                               key=ctx.config.signing_key, shards_on_load=verify_digests)
     name, manifest, tier, rejected = select()
-    faults.hit("restore.selected", mgr.comm.rank)
+    faults.hit("restore.selected", ctx.comm.rank)
     if name is None and rejected and all(p.signature for p in rejected) \
-            and mgr.config.key_rejects_all_raises:
+            and ctx.config.key_rejects_all_raises:
         raise UntrustedGenerations(
-            f"the signing key rejects every generation under {mgr.config.root} "
+            f"the signing key rejects every generation under {ctx.config.root} "
             f"({len(rejected)}; first: {rejected[0]}); a fresh start would discard them")
-    quarantine.move_blocking(mgr.comm, mgr.tier, rejected, name)
-    notes = mgr.comm.broadcast(pointer_warnings(mgr) if mgr.comm.rank == 0 else None)
-    allow = mgr.config.allow_contract_change if allow_contract_change is None \
+    quarantine.move_blocking(ctx.comm, ctx.tiers.root, rejected, name)
+    notes = ctx.comm.broadcast(pointer_warnings(ctx) if ctx.comm.rank == 0 else None)
+    allow = ctx.config.allow_contract_change if allow_contract_change is None \
         else allow_contract_change
-    wanted = mgr.state.components if components is None else components
+    wanted = ctx.state.components if components is None else components
     result, late = None, []
     while name is not None and manifest is not None and tier is not None:
-        faults.hit("restore.before_load", mgr.comm.rank)
-        result, problem = _load_agreed(mgr, tier, name, manifest, wanted, allow, verify_digests)
+        faults.hit("restore.before_load", ctx.comm.rank)
+        result, problem = _load_agreed(ctx, tier, name, manifest, wanted, allow, verify_digests)
         if problem is None:
             break
         # its bytes changed after validation: rejected like any other, and the next one tried
@@ -75,7 +72,7 @@ def resume(mgr: CheckpointManager, components: Iterable[str] | None,
         late += more
     if late:
         rejected += late
-        quarantine.move_blocking(mgr.comm, mgr.tier, late, name)
+        quarantine.move_blocking(ctx.comm, ctx.tiers.root, late, name)
     if result is None or tier is None:
         result = RestoreResult(rejected=rejected, warnings=notes)
         resumed_from = None
@@ -83,16 +80,16 @@ def resume(mgr: CheckpointManager, components: Iterable[str] | None,
         result.rejected, result.warnings = rejected, notes + result.warnings
         resumed_from = name
         result.tier = tier.kind
-    if mgr.comm.rank == 0:
-        events.log_restore(result, f"{tier.url} ({tier.kind} tier)"
+    if ctx.comm.rank == 0:
+        log_restore(result, f"{tier.url} ({tier.kind} tier)"
                            if resumed_from is not None and tier is not None else None)
-    runinfo.report(mgr.comm.rank, resumed_from=resumed_from, next_update=result.next_update,
+    runinfo.report(ctx.comm.rank, resumed_from=resumed_from, next_update=result.next_update,
                    resumed_tier=result.tier,
                    rejected=[str(p) for p in rejected])
     return result
 
 
-def _load_agreed(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: Manifest,
+def _load_agreed(ctx: Context, tier: CommitTier, name: str, manifest: Manifest,
                  components: Iterable[str], allow: bool, one_pass: bool
                  ) -> tuple[RestoreResult | None, Problem | None]:
     """``load_generation`` on every rank, then one all-gather: a shard that fails its digest
@@ -101,12 +98,12 @@ def _load_agreed(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: 
     result, problem = None, None
     try:
         result = load_generation(
-            mgr.comm, tier, mgr.state, name, manifest, components, allow_contract_change=allow,
-            strict_torch_version=mgr.config.strict_torch_version, scratch_parent=mgr.config.cache_dir,
+            ctx.comm, tier, ctx.state, name, manifest, components, allow_contract_change=allow,
+            strict_torch_version=ctx.config.strict_torch_version, scratch_parent=ctx.config.cache_dir,
             one_pass=one_pass)
     except ValidationError as exc:
         problem = Problem(name, str(exc), exc.path, tier=tier.url)
-    problems = [p for p in mgr.comm.all_gather(problem) if p is not None]
+    problems = [p for p in ctx.comm.all_gather(problem) if p is not None]
     if not problems:
         return result, None
     # this rank's url of the tier: a node-local tier (memory) has one per node, and the next
@@ -115,11 +112,11 @@ def _load_agreed(mgr: CheckpointManager, tier: CommitTier, name: str, manifest: 
     return None, problems[0]
 
 
-def pointer_warnings(mgr: CheckpointManager) -> list[str]:
+def pointer_warnings(ctx: Context) -> list[str]:
     """Rank 0: a latest pointer that is corrupt, names a missing generation or does not match
     its manifest is worth a warning (restore never trusts the pointer, but a person reading
     the root does)."""
-    store, root = mgr.backend, mgr.config.root
+    store, root = ctx.tiers.root.store, ctx.config.root
     try:
         raw = read_bounded(store, LATEST_NAME, MAX_POINTER_BYTES)  # never a FIFO or a link
     except (FileNotFoundError, StorageError):
@@ -140,3 +137,15 @@ def pointer_warnings(mgr: CheckpointManager) -> list[str]:
         return [f"{LATEST_NAME} under {root} does not match the manifest of {pointer.generation} "
                 "(damaged pointer or replaced manifest); the generation was chosen by validation"]
     return []
+
+
+def log_restore(result: RestoreResult, tier: str | None) -> None:
+    for problem in result.rejected:
+        log.warning("rejected generation %s", problem)
+    for warning in result.warnings:
+        log.warning("%s", warning)
+    if result.generation is None:
+        log.info("restore: no generation validates; fresh start (%d rejected)", len(result.rejected))
+    else:
+        log.info("restored %s (next_update %d) from %s; %d rejected", result.generation,
+                 result.next_update, tier, len(result.rejected))

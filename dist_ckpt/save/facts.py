@@ -10,76 +10,78 @@ existing generation and picks the attempt id.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING
 
 from .. import logs
+from ..context import Context
 from ..errors import CommitError
 from ..format.inventory import inspect_generation
 from ..format.manifest import MANIFEST_NAME
 from ..protocol.comm import PendingGather
 from ..protocol.messages import SaveFacts, SpaceFacts
 from . import agreement
+from .inflight import InFlight
+from .planning import SavePlanCache
 from .space import free_bytes
-
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
 
 log = logs.get(__name__)
 
 
-def gather_start(mgr: CheckpointManager, name: str, fingerprint: str) -> PendingGather:
+def gather_start(ctx: Context, inflight: InFlight, plans: SavePlanCache, name: str,
+                 fingerprint: str) -> PendingGather:
     """Start the all-gather (all ranks) of this rank's ``SaveFacts`` for generation ``name``;
     :func:`gathered` waits for every rank's."""
-    is_root = mgr.comm.rank == 0
+    is_root = ctx.comm.rank == 0
     facts = SaveFacts(
-        busy=len(mgr._jobs) >= mgr.config.max_in_flight,
-        errors=tuple(sorted(mgr._unraised)),
-        boundary=mgr.state.at_optimizer_boundary(),
-        cached=fingerprint == mgr.plans.fingerprint,
-        space=_space_facts(mgr, fingerprint),
-        extras=agreement.extras_digests(mgr.state.extras),
-        exists=_existing(mgr, name) if is_root else None,
+        busy=len(inflight) >= ctx.config.max_in_flight,
+        errors=inflight.unraised(),
+        boundary=ctx.state.at_optimizer_boundary(),
+        cached=fingerprint == plans.fingerprint,
+        space=_space_facts(ctx, inflight, plans, fingerprint),
+        extras=agreement.extras_digests(ctx.state.extras),
+        exists=_existing(ctx, name) if is_root else None,
         attempt_id=uuid.uuid4().hex[:8] if is_root else None,
     )
-    return mgr.comm.all_gather_start(facts)
+    return ctx.comm.all_gather_start(facts)
 
 
-def gathered(mgr: CheckpointManager, name: str, pending: PendingGather) -> list[SaveFacts]:
+def gathered(ctx: Context, name: str, pending: PendingGather) -> list[SaveFacts]:
     """Every rank's facts, in rank order; a peer lost meanwhile fails the save."""
     try:
         return pending.wait()
     except RuntimeError as exc:  # gloo: a peer died or broke off during the agreement
         peers = {rank: "did not complete the save agreement (this or another peer failed)"
-                 for rank in range(mgr.comm.world_size) if rank != mgr.comm.rank}
+                 for rank in range(ctx.comm.world_size) if rank != ctx.comm.rank}
         raise CommitError(f"{name} was not saved: the save agreement failed ({exc})",
                           generation=name, failures=peers) from exc
 
 
-def _existing(mgr: CheckpointManager, name: str) -> str | None:
+def _existing(ctx: Context, name: str) -> str | None:
     """Rank 0: None when ``name`` can be saved, else why not (committed, or present but
     invalid: a generation restore did not see or could not move aside)."""
-    if not mgr.backend.exists(f"{name}/{MANIFEST_NAME}"):
+    store = ctx.tiers.root.store
+    if not store.exists(f"{name}/{MANIFEST_NAME}"):
         return None
-    info = inspect_generation(mgr.backend, name, digests=False, key=mgr.config.signing_key)
+    info = inspect_generation(store, name, digests=False, key=ctx.config.signing_key)
     if info.state == "committed":
         return "is already committed"
     return (f"is present but invalid ({info.reason}); move it aside with "
-            f"`dist-ckpt quarantine {mgr.config.root} {name}` (restore() does this for "
+            f"`dist-ckpt quarantine {ctx.config.root} {name}` (restore() does this for "
             f"generations newer than the one it loads)")
 
 
-def _space_facts(mgr: CheckpointManager, fingerprint: str) -> SpaceFacts | None:
+def _space_facts(ctx: Context, inflight: InFlight, plans: SavePlanCache,
+                 fingerprint: str) -> SpaceFacts | None:
     # the first save of a layout has no plan yet: it is not checked (an ENOSPC during the
     # write still fails it cleanly), later saves know exactly what each rank writes
-    if not mgr.config.check_free_space or fingerprint != mgr.plans.fingerprint:
+    if not ctx.config.check_free_space or fingerprint != plans.fingerprint:
         return None
     free = None
-    if mgr.comm.rank == mgr.comm.fs_leader:
+    write_root = ctx.tiers.target.local_root
+    if ctx.is_fs_leader:
         try:
-            free = free_bytes(mgr.write_root)
+            free = free_bytes(write_root)
         except OSError as exc:  # unmeasurable: this group is not checked, peers not stalled
-            log.warning("cannot measure free space under %s: %s", mgr.write_root, exc)
+            log.warning("cannot measure free space under %s: %s", write_root, exc)
     # saves in flight whose files are not written yet will still take their share
-    unwritten = sum(1 for job in mgr._jobs if not job.written)
-    per_save = mgr.plans.plan_bytes or 0
-    return SpaceFacts(leader=mgr.comm.fs_leader, bytes=per_save * (1 + unwritten), free=free)
+    per_save = plans.plan_bytes or 0
+    return SpaceFacts(leader=ctx.comm.fs_leader, bytes=per_save * (1 + inflight.unwritten()), free=free)

@@ -202,7 +202,7 @@ def test_every_point_of_the_mirror_path_fires(tmp_path: Path, s3_root: str) -> N
     with CheckpointManager(CheckpointConfig(root=str(tmp_path / "root"), mirror=s3_root), state) as mgr:
         step(state)
         mgr.save(1)
-        assert mgr.uploader.drain(60)
+        assert mgr.replayer.drain(60)
     hits = faults.hits()
     assert hits["mirror.upload"] == 1 and hits["mirror.before_publish"] == 1
     # the local rename and the mirror's conditional create

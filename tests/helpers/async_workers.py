@@ -29,15 +29,15 @@ def _save_in_flight(mgr, update: int):
 
 
 def _parked_in_save(thread_id: int) -> bool:
-    """Whether thread ``thread_id`` waits on an event or condition called by
-    ``CheckpointManager.save`` (the in-flight wait of the ``block`` policy)."""
+    """Whether thread ``thread_id`` waits on an event or condition for the oldest save in
+    flight (``InFlight.wait_oldest``, the in-flight wait of the ``block`` policy)."""
     frame = sys._current_frames().get(thread_id)
     if frame is None or not frame.f_code.co_filename.endswith("threading.py"):
         return False
     while frame is not None and frame.f_code.co_filename.endswith("threading.py"):
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_name == "save" \
-        and frame.f_code.co_filename.endswith("manager.py")
+    return frame is not None and frame.f_code.co_name == "wait_oldest" \
+        and frame.f_code.co_filename.endswith("inflight.py")
 
 
 def _release_when_parked(name: str, thread_id: int, returned: threading.Event,
@@ -238,7 +238,7 @@ def close_leaves_no_threads(rank: int, world: int, root: str) -> dict:
     mgr.close()
     out["plain"] = {"python": sorted(t.name for t in threading.enumerate()),
                     "gloo": _gloo_worker_threads(), "staging": mgr.staging.allocated_bytes,
-                    "jobs": len(mgr._jobs), "group_released": mgr.comm.group is None}
+                    "jobs": len(mgr.inflight.jobs), "group_released": mgr.comm.group is None}
 
     mgr = workers.manager(job, os.path.join(root, "late"), async_save=True, close_timeout_s=0.2)
     faults.configure({"write.before": {"block": "late"}})  # held until close() has returned
@@ -250,7 +250,7 @@ def close_leaves_no_threads(rank: int, world: int, root: str) -> dict:
             out["late_raised"] = None
         except CommitError as exc:
             out["late_raised"] = str(exc)
-        out["late_still_listed"] = [j.request.generation for j in mgr._jobs]
+        out["late_still_listed"] = [j.request.generation for j in mgr.inflight.jobs]
         faults.release("late")
         late.thread.join()  # this test's process must not exit under it
     finally:

@@ -28,7 +28,7 @@ def train(rank: int, world: int, root: str, shm_dir: str, run_id: str, steps: in
                 mgr.save(update + 1)
         if finish:
             mgr.finish(steps)
-        memory_root = mgr.save_tier.local_root
+        memory_root = mgr.tiers.target.local_root
     return {"full": full_state(job), "memory_root": memory_root}
 
 
@@ -64,10 +64,10 @@ def node_train(rank: int, world: int, root: str, shm_dir: str, run_id: str, step
             train_step(job)
             if update == lost_push:
                 mgr.wait()
-                mgr._janitor.submit(lambda: None).result()  # the earlier pushes are done
+                mgr.pruner.settle()  # the earlier pushes are done
                 faults.configure({"ring.push": {"rank": 0, "raise": True}})
             mgr.save(update)
-        memory_root = mgr.save_tier.local_root
+        memory_root = mgr.tiers.target.local_root
     return {"full": full_state(job), "memory_root": memory_root}
 
 
@@ -77,7 +77,7 @@ def node_restore(rank: int, world: int, root: str, shm_dir: str, run_id: str,
     job = build(kind, rank, world, seed=99)
     with manager(job, root, memory_tier=True) as mgr:
         result = mgr.restore(verify_digests=verify_digests)
-        ring = mgr.flash.ring
+        ring = mgr.memory.ring
     return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
             "rejected": [str(p) for p in result.rejected], "fetched": ring.fetched,
             "repair_failures": ring.repair_failures, "load_files": ring.fetched_for_load}

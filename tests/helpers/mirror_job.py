@@ -34,7 +34,7 @@ def main() -> None:
         held_throughout = bool(hold) and bool(faults.reached(hold))  # the uploader is still held
         if hold:
             faults.release(hold)
-        stats = mgr.uploader.stats
+        stats = mgr.replayer.stats
     print(json.dumps({"blocking": blocking, "saves_while_held": held_throughout,
                       "skipped": stats.skipped, "completed": stats.completed,
                       "failed": sorted(stats.failed), "max_queue": stats.max_queue,

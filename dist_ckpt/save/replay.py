@@ -1,4 +1,7 @@
-"""Tiered durability: replicate committed local generations to an object-store mirror.
+"""Replay: every rank copies its files of a committed generation from a source tier into a
+destination tier, and rank 0 publishes it there. Two uses: the mirror (the root's generations
+into ``config.mirror``) and the memory tier's persistence (memory into the root,
+``memory/runner.py``). Below, "mirror" stands for whichever destination.
 
 Protocol (one uploader thread per rank; coordination only through the c10d store):
 1. ``enqueue`` (rank 0, after a local commit): the generation joins a bounded queue; when the
@@ -46,7 +49,7 @@ MIRROR_STATE = "mirror.json"
 
 
 @dataclass
-class MirrorStats:
+class ReplayStats:
     enqueued: int = 0
     skipped: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
@@ -64,23 +67,23 @@ def read_mirror_state(root: str | StoreReader) -> dict:
         return {}
 
 
-class MirrorUploader:
+class Replayer:
     """One per rank; ``enqueue`` is called on rank 0 only, ``close`` on every rank."""
 
-    def __init__(self, comm: Comm, local: CommitTier, mirror: CommitTier, *, queue_length: int,
+    def __init__(self, comm: Comm, source: CommitTier, destination: CommitTier, *, queue_length: int,
                  timeout_s: float, signing_key: bytes | None = None,
-                 prune_mirror: Callable[[], object] | None = None, nice: int = 10) -> None:
+                 prune_destination: Callable[[], object] | None = None, nice: int = 10) -> None:
         self.nice = nice  # the replay thread's priority drop (config background_nice)
-        self.prune_mirror = prune_mirror  # rank 0, after each completed upload
+        self.prune_destination = prune_destination  # rank 0, after each completed replay
         self.signing_key = signing_key
         self.on_settled: Callable[[], None] | None = None  # rank 0: after each upload settles
         self.comm = comm
-        self.local = local
-        self.local_root = local.local_root
-        self.mirror = mirror
+        self.source = source
+        self.local_root = source.local_root
+        self.destination = destination
         self.queue_length = queue_length
         self.timeout_s = timeout_s
-        self.stats = MirrorStats()
+        self.stats = ReplayStats()
         self._queue: deque[tuple[str, bytes]] = deque()
         self._cond = threading.Condition()
         self._uploading = 0
@@ -179,7 +182,7 @@ class MirrorUploader:
 
     def _replicate(self, generation: str, manifest_raw: bytes) -> None:
         manifest = Manifest.model_validate_json(manifest_raw)
-        attempt = self.mirror.begin(generation, f"{self.comm.session}-{self._seq}",
+        attempt = self.destination.begin(generation, f"{self.comm.session}-{self._seq}",
                                     source_dir=os.path.join(self.local_root, generation))
         with self._cond:
             self._uploading += 1
@@ -235,17 +238,17 @@ class MirrorUploader:
             self.on_settled()
 
     def _prune(self) -> None:
-        if self.prune_mirror is None:
+        if self.prune_destination is None:
             return
         try:
-            self.prune_mirror()
+            self.prune_destination()
         except Exception:  # noqa: BLE001 - retention must never fail an upload or training
             log.exception("mirror retention pass failed")
 
     def _record(self, *, completed: Manifest | None = None, skipped: str | None = None,
                 failed: str | None = None, reason: str | None = None) -> None:
-        state = read_mirror_state(self.local.store)
-        state["mirror"] = self.mirror.url
+        state = read_mirror_state(self.source.store)
+        state["mirror"] = self.destination.url
         if completed is not None:
             state["last_completed"] = completed.generation
             state["last_completed_update"] = completed.next_update
