@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, ConfigError, TrainState, faults
 from dist_ckpt.format.manifest import DCP_DIR, generation_name
 from dist_ckpt.testing import run_ranks
-from tests.helpers import workers
+from tests.helpers import lazy_race, workers
 
 pytestmark = pytest.mark.usefixtures("no_faults")
 HELD_S = 0.5  # how long a held thread must stay held: a bound on the check, not an ordering
@@ -92,20 +92,10 @@ def test_no_torn_snapshot_when_the_step_follows_save_at_once(tmp_path) -> None:
     expected: dict[int, dict[str, torch.Tensor]] = {}
     with CheckpointManager(_lazy(str(tmp_path), max_in_flight=2), TrainState(model, optimizer)) as mgr:
         for update in range(1, 5):
-            copy, step = f"copy{update}", f"step{update}"
-            faults.configure({"stage.copy": {"block": copy}, "stage.step_waits": {"block": step}})
             expected[update] = _flat(_tensors(model, optimizer))  # the tensors at save time
-            mgr.save(update)
-            faults.wait_reached(copy)  # save() returned; nothing deferred is copied yet
-            _forward_backward(model)  # changes the BatchNorm statistics in place
-            stepper = threading.Thread(target=_step, args=(optimizer,))
-            stepper.start()
-            faults.wait_reached(step)  # the step is in its pre-hook while the copy is pending
-            faults.release(copy)
-            faults.release(step)
-            stepper.join(60)
-            assert not stepper.is_alive()
-            assert faults.hits()["stage.copy"] == 1  # this save's copy, once
+            # the forward pass changes the BatchNorm statistics in place
+            lazy_race.step_behind_held_copy(update, lambda u=update: mgr.save(u),
+                                            lambda: _forward_backward(model), lambda: _step(optimizer))
         mgr.wait()
     for update, saved in expected.items():
         _assert_bitwise(saved, _load(str(tmp_path), update), f"generation {update}")

@@ -1,5 +1,5 @@
 """The commit-tier contract, run against every tier: the two real ones (rename, object
-store) and a test-only in-memory tier registered from ``tests/helpers/memory_tier.py``,
+store) and a test-only dict-backed tier registered from ``tests/helpers/dict_tier.py``,
 which shows that a new tier is one module plus ``register_tier``."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from dist_ckpt.format.inventory import inventory
 from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest, generation_name, read_latest_name
 from dist_ckpt.format.validate import validate
 from dist_ckpt.tiers import CommitTier, TierOptions, open_tier
-from tests.helpers import memory_tier
+from tests.helpers import dict_tier
 from tests.helpers.local_jobs import make_state, step, two_generations
 
-TIERS = ("rename", "objectstore", "memory")
+TIERS = ("rename", "objectstore", "dict")
 
 
 @pytest.fixture(params=[pytest.param(tier, marks=pytest.mark.processes) if tier == "objectstore"
@@ -28,7 +28,7 @@ def root(request: pytest.FixtureRequest, tmp_path) -> str:
         return str(tmp_path / "root")
     if request.param == "objectstore":
         return request.getfixturevalue("s3_root")
-    return f"{memory_tier.SCHEME}{uuid.uuid4().hex[:8]}"
+    return f"{dict_tier.SCHEME}{uuid.uuid4().hex[:8]}"
 
 
 def tier_of(root: str, tmp_path) -> CommitTier:

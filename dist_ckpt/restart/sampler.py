@@ -69,9 +69,6 @@ class ResumableSampler:
         while self.cursor < self.num_samples:
             yield self.next_batch()
 
-    def remaining_in_epoch(self) -> list[int]:
-        return self._permutation()[self.cursor :].tolist()
-
     def state_dict(self) -> dict[str, Any]:
         return {"num_samples": self.num_samples, "seed": self.seed, "epoch": self.epoch,
                 "cursor": self.cursor, "shuffle": self.shuffle}

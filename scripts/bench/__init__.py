@@ -1,8 +1,8 @@
 """The dist_ckpt benchmark, as phases: every performance target measured in one run.
 
-Run: ``.venv/bin/python scripts/bench.py [--quick] [--state-mib N] [--repeats R] [--dir DIR]
-[--json bench-results.json] [--profile] [--phases P,...] [--compare] [--steps N] [--profile-cpu]``
-(also ``python -m scripts.bench`` from the repository root, or ``python scripts/bench``).
+Run from the repository root: ``.venv/bin/python -m scripts.bench [--quick] [--state-mib N]
+[--repeats R] [--dir DIR] [--json bench-results.json] [--profile] [--phases P,...] [--compare]
+[--steps N] [--profile-cpu]`` (the options: ``cli``).
 ``--phases`` picks phases (default all; ``restore`` brings ``saves``, whose generation it reads);
 ``--compare`` is ``--phases compare``. Not a test. Every phase drives the library through its
 public API (``CheckpointManager``, ``CheckpointConfig``, ``TrainState``) or, for the simulated
@@ -13,7 +13,9 @@ Phases (2 gloo ranks, ``--state-mib`` MiB of FSDP2 model + AdamW state per rank,
 - ``saves``: rounds of our async ``save()`` (blocking time, and save() -> wait()), a plain copy
   of the rank's local tensors into preallocated buffers, a raw write + fsync of the rank's share
   of the generation bytes, raw DCP ``async_save`` and ``save``, and our sync ``save()``,
-  interleaved (order reversed every other round); the first saves are reported apart.
+  interleaved (order reversed every other round); the first saves are reported apart. Besides
+  the slowest rank per repetition, each rank's own medians of async, sync and copy blocking
+  and their quotients.
 - ``restore``: ``restore()`` at 2 ranks vs a raw read of the same files; ``restore()`` at 3 ranks
   of the 2-rank generation (reshard).
 - ``interference``: train step time with no save in flight vs while an async save runs.
@@ -64,10 +66,10 @@ reference`` so that a reference of 0 or less still judges:
 - our sync save <= 0.9 x ``dcp.save``
 - verified ``restore()`` <= 1.3 x ``dcp.load`` of the same files, at 2 ranks and resharded 2 -> 3
 
-Modules: ``jobs`` (the job and timing helpers, shared with ``bench_async.py`` and
-``bench_s3.py``), ``context`` (a rank's job), ``rawio`` (raw write/read floors), ``profiling``
-(cProfile, including the save threads via ``threading.setprofile``), one module per phase group
-(``compare_methods`` holds the compared save methods, ``compare_report`` the compare table),
-``cpu_profile`` (``--profile-cpu``), ``runner`` (which processes run what), ``cli`` (options,
-output).
+Modules: ``jobs`` (the job and timing helpers, shared with ``bench_s3.py``), ``context`` (a
+rank's job), ``rawio`` (raw write/read floors), ``profiling`` (cProfile, including the save
+threads via ``threading.setprofile``), one module per phase group (``rss`` is the ``memory``
+phase; ``compare_methods`` holds the compared save methods, ``compare_report`` the compare
+table), ``cpu_profile`` (``--profile-cpu``), ``runner`` (which processes run what), ``cli``
+(options, output).
 """

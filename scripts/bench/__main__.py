@@ -1,4 +1,4 @@
-"""``python -m scripts.bench`` / ``python scripts/bench``: run the benchmark (see __init__)."""
+"""``python -m scripts.bench`` (from the repository root): run the benchmark (see __init__)."""
 
 import os
 import sys

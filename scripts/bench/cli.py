@@ -15,11 +15,11 @@ from .runner import PHASES, run_all
 
 USAGE = """The dist_ckpt benchmark: every performance target measured in one run (2 gloo ranks).
 
-Usage: .venv/bin/python scripts/bench.py [--quick] [--state-mib N] [--repeats R] [--dir DIR]
+Usage (from the repository root):
+       .venv/bin/python -m scripts.bench [--quick] [--state-mib N] [--repeats R] [--dir DIR]
                                          [--json bench-results.json] [--profile]
                                          [--phases P,...] [--compare] [--steps N] [--lost-pairs N]
                                          [--allocator caching|glibc] [--profile-cpu]
-       (or: python -m scripts.bench ..., python scripts/bench ...)
 
 Phases (default: all): saves, restore (needs saves), interference, memory, commit_scale, compare
 (dist_ckpt side by side with raw DCP save / async_save / async_save with async staging).
@@ -29,7 +29,8 @@ Phases and targets: see the docstring of scripts/bench/__init__.py. Not a test.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench", description=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="64 MiB per rank, 3 repetitions")
     parser.add_argument("--state-mib", type=int, default=None, help="per-rank state (default 512)")
     parser.add_argument("--repeats", type=int, default=None, help="repetitions (default 5, quick 3)")
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     ratio_values = report.ratios(rows, raw["memory"])
     print_header(args, raw, walls)
     report.print_table(rows, ratio_values, raw["memory"])
+    report.print_saves_per_rank(raw["main"])
     for name, text in raw["profiles"].items():
         print(f"\n---- cProfile: {name} ----\n{text}")
     doc = report.document(raw, cfg, walls, rows, ratio_values)

@@ -1,7 +1,7 @@
 """The benchmark job (an FSDP2 stack of linear layers + AdamW) and small timing helpers.
 
-Shared by ``scripts/bench`` and the other benchmark scripts (``bench_async.py``); not part
-of the library or the tests. Uses only the public API (``TrainState``, ``ResumableSampler``).
+Shared by the benchmark package (``python -m scripts.bench``) and ``scripts/bench_s3.py``; not
+part of the library or the tests. Uses only the public API (``TrainState``, ``ResumableSampler``).
 """
 
 from __future__ import annotations

@@ -143,6 +143,22 @@ def print_table(rows: Rows, ratio_values: dict[str, float], memory: Memory) -> N
         print(f"{name:54s} {value:8.3f} {op:>3s} {target:5.2f}  {'PASS' if passes(name, value) else 'MISS'}")
 
 
+def print_saves_per_rank(main: list[dict[str, Any]]) -> None:
+    """Each rank's own medians of the blocking times (the table shows the slowest rank per
+    repetition), first saves left out, and its two quotients: one rank's imbalance shows here."""
+    if not main or "saves" not in main[0]:
+        return
+    print(f"\n{'saves, per rank (median s, first save apart)':46s} {'async':>8s} {'sync':>8s} "
+          f"{'copy':>8s} {'async/sync':>11s} {'async/copy':>11s}")
+    for rank in range(len(main)):
+        block = {mode: series(main, "saves", mode, "block", rank=rank) for mode in ("async", "sync")}
+        async_s, sync_s = median(block["async"][1:]), median(block["sync"][1:])
+        copy_s = median(series(main, "saves", "copy", rank=rank)[1:])
+        first = f"first async {block['async'][0]:.3f}, sync {block['sync'][0]:.3f}"
+        print(f"{f'rank {rank} ({first})':46s} {async_s:8.4f} {sync_s:8.4f} {copy_s:8.4f} "
+              f"{async_s / sync_s:11.3f} {async_s / copy_s:11.3f}")
+
+
 def document(raw: dict[str, Any], cfg: dict[str, Any], walls: dict[str, float], rows: Rows,
              ratio_values: dict[str, float]) -> dict[str, Any]:
     """The JSON document (same keys as the single-file benchmark wrote)."""

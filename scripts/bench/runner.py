@@ -16,8 +16,8 @@ from .commit_scale import commit_scale
 from .compare import rank_compare, rank_compare_reshard
 from .context import Ctx
 from .interference import phase_interference
-from .memory import rank_memory
 from .restore import phase_restore, rank_reshard
+from .rss import rank_rss
 from .saves import phase_saves
 
 RUN_TIMEOUT_S = 3600
@@ -107,7 +107,7 @@ def run_all(cfg: dict[str, Any], base: str, walls: dict[str, float]) -> dict[str
     shutil.rmtree(os.path.join(base, "ours-sync"), ignore_errors=True)
     if "memory" in phases:
         out["memory"] = {slots: timed_run(f"memory run K={slots} (2 ranks)", lambda s=slots: run_ranks(
-            2, rank_memory, cfg, base, s, timeout_s=RUN_TIMEOUT_S)) for slots in (1, 2)}
+            2, rank_rss, cfg, base, s, timeout_s=RUN_TIMEOUT_S)) for slots in (1, 2)}
     if "commit_scale" in phases:
         out["scale"], scale_profiles = timed_run(
             "commit scale (1 process)", lambda: commit_scale(base, cfg["repeats"], cfg["profile"]))

@@ -2,6 +2,8 @@
 (after the work queued before ``save()``, before the next optimizer step's kernels), with no
 device-wide synchronisation, and commits the tensors of ``save()`` time bitwise.
 
+Ordering is shown as in ``tests/test_lazy_snapshot.py``: the copy is held at the blocking fault
+point ``stage.copy`` until the next step has arrived in its pre-hook (``stage.step_waits``).
 Skipped where no CUDA device exists (this is the only place skips are allowed).
 """
 
@@ -14,8 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, faults
+from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
 from dist_ckpt.format.manifest import DCP_DIR, generation_name
+from tests.helpers import lazy_race
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.usefixtures("no_faults")]
@@ -29,10 +32,18 @@ def _job(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=0.01)  # its "step" tensors stay on CPU
 
 
-def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _forward_backward(model: torch.nn.Module) -> None:
     model(torch.randn(16, 4096, device="cuda")).square().mean().backward()
+
+
+def _step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    _forward_backward(model)
+    _step(optimizer)
 
 
 def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -56,20 +67,24 @@ def _load(root: str, update: int) -> dict[str, torch.Tensor]:
 
 
 def test_lazy_cuda_snapshot_is_exact_and_never_synchronises_the_device(tmp_path, monkeypatch) -> None:
+    """Each save's copy is held until the next step has arrived in its pre-hook (the
+    ``stage.step_waits`` point proves the step came first), then released: the step's kernels
+    are queued on its stream right behind the side stream's copy, and only its done event
+    keeps them from tearing it."""
     model, optimizer = _job()
     _train(model, optimizer)
     synchronize_calls: list[object] = []
     real_synchronize = torch.cuda.synchronize
     monkeypatch.setattr(torch.cuda, "synchronize",
                         lambda *a, **k: (synchronize_calls.append(a), real_synchronize(*a, **k))[1])
-    faults.configure({"stage.copy": {"delay_s": 0.02}})  # the step is queued before the copy starts
     expected = {}
     config = CheckpointConfig(root=str(tmp_path), async_save=True, snapshot="lazy", max_in_flight=2)
     with CheckpointManager(config, TrainState(model, optimizer)) as mgr:
         for update in range(1, 4):
             expected[update] = _flat(model, optimizer)  # .cpu(): synchronises the current stream only
-            mgr.save(update)
-            _train(model, optimizer)  # queued right away; its kernels wait for the copy's event
+            # the forward pass changes the BatchNorm statistics in place (copied in save())
+            lazy_race.step_behind_held_copy(update, lambda u=update: mgr.save(u),
+                                            lambda: _forward_backward(model), lambda: _step(optimizer))
         streams = dict(mgr.snapshots._streams)  # type: ignore[union-attr]
         mgr.wait_staged()
         mgr.wait()

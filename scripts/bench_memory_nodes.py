@@ -1,6 +1,6 @@
 """The memory tier on two nodes: resume from memory, from a neighbour's replica, and from disk.
 
-    python scripts/bench_nodes.py --mib 64 --steps 4
+    python scripts/bench_memory_nodes.py --mib 64 --steps 4
 
 Two gloo ranks, one per "node" (each with its own shared-memory base directory, so each is its
 own filesystem group with its own leader, as on two machines; the peer channel runs over
@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_memory import build, evict, step  # noqa: E402
+from bench_memory_tier import build, evict, step  # noqa: E402
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, runinfo  # noqa: E402
 from dist_ckpt.memory import paths as shm  # noqa: E402

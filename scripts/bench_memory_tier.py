@@ -1,6 +1,6 @@
 """Memory tier vs disk only, on one job (2 gloo ranks, FSDP2, AdamW, async saves).
 
-    python scripts/bench_memory.py --mib 64 --steps 8
+    python scripts/bench_memory_tier.py --mib 64 --steps 8
 
 Per configuration (a save after every update): the blocking time of ``save()`` against a copy
 of the same bytes into preallocated memory (issue 14's target: at most 1.5x), timed right before

@@ -1,4 +1,4 @@
-"""A test-only commit tier that keeps generations in a Python dict (``memtier://NAME``).
+"""A test-only commit tier that keeps generations in a Python dict (``dicttier://NAME``).
 
 It exists to prove that adding a tier is one module implementing ``CommitTier`` plus
 ``register_tier``: nothing else in dist_ckpt learns of it. Semantics follow a store without
@@ -32,12 +32,12 @@ from dist_ckpt.tiers.base import (
 )
 from dist_ckpt.tiers.verified import VerifiedObjectReader
 
-SCHEME = "memtier://"
+SCHEME = "dicttier://"
 _STORES: dict[str, dict[str, bytes]] = {}
 _LOCK = threading.Lock()
 
 
-class MemoryStore:
+class DictStore:
     """A ``Store`` over one dict: names are keys, directories are key prefixes."""
 
     def __init__(self, url: str) -> None:
@@ -105,8 +105,8 @@ class MemoryStore:
         return 0
 
 
-class MemoryAttempt:
-    def __init__(self, tier: MemoryTier, generation: str, attempt_id: str, source_dir: str | None) -> None:
+class DictAttempt:
+    def __init__(self, tier: DictTier, generation: str, attempt_id: str, source_dir: str | None) -> None:
         self.tier = tier
         self.generation = generation
         self.attempt_id = attempt_id
@@ -151,22 +151,22 @@ class MemoryAttempt:
         self.tier.store.remove_tree(f"{self.generation}/{self.data_dir}")
 
 
-class MemoryTier:
+class DictTier:
     shared = True
     direct_io = False
-    kind = "memory (test)"
+    kind = "dict (test)"
     leaves_debris = True
     keeps_rejected = False
     reshards = True
 
     def __init__(self, url: str, scratch_root: str | None = None) -> None:
-        self.store = MemoryStore(url)
+        self.store = DictStore(url)
         self.url = self.store.root
         self.local_root = scratch_root or tempfile.gettempdir()
         self.local_ranks: frozenset[int] | None = None
 
-    def begin(self, generation: str, attempt_id: str, *, source_dir: str | None = None) -> MemoryAttempt:
-        return MemoryAttempt(self, generation, attempt_id, source_dir)
+    def begin(self, generation: str, attempt_id: str, *, source_dir: str | None = None) -> DictAttempt:
+        return DictAttempt(self, generation, attempt_id, source_dir)
 
     def open_reader(self, generation: str, manifest: Manifest,
                     scratch_parent: str | None = None) -> GenerationReader:
@@ -182,11 +182,11 @@ class MemoryTier:
         return None
 
 
-def _open(url: str, options: TierOptions) -> MemoryTier:
+def _open(url: str, options: TierOptions) -> DictTier:
     if options.scratch_root is not None:
         os.makedirs(options.scratch_root, exist_ok=True)
-    return MemoryTier(url, options.scratch_root)
+    return DictTier(url, options.scratch_root)
 
 
 register_tier(lambda url: url.startswith(SCHEME), _open)
-__all__ = ["SCHEME", "MemoryStore", "MemoryTier", "StorageError"]
+__all__ = ["SCHEME", "DictStore", "DictTier", "StorageError"]

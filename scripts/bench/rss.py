@@ -45,7 +45,7 @@ class RssSampler(threading.Thread):
         return self.peak
 
 
-def rank_memory(rank: int, world: int, cfg: dict[str, Any], base: str, slots: int) -> dict[str, Any]:
+def rank_rss(rank: int, world: int, cfg: dict[str, Any], base: str, slots: int) -> dict[str, Any]:
     """Peak RSS while async saves run with ``max_in_flight=slots`` (two saves back-to-back)."""
     import torch
 
