@@ -55,7 +55,7 @@ class CheckpointConfig(BaseModel):
                     "`lazy` returns first and copies parameters and optimizer state in the background "
                     "while the next forward and backward run; an optimizer step pre-hook waits for the "
                     "copy, and any other in-place change of them must call `wait_staged()` first "
-                    "(README, \"Lazy snapshot\"). A synchronous save is the same either way.")
+                    "(docs/api.md, \"Lazy snapshot\"). A synchronous save is the same either way.")
     commit_timeout_s: float = Field(
         default=300.0, gt=0,
         description="Deadline in seconds for every rank's report of a save; a late rank fails the "
@@ -70,7 +70,7 @@ class CheckpointConfig(BaseModel):
     digest_algorithm: Literal["blake3", "sha256"] = Field(
         default="blake3",
         description="Digest of every file of a new generation, recorded in its manifest: `blake3` "
-                    "(default; cryptographic, about 4x sha256's speed) or `sha256`. Generations of "
+                    "(default; cryptographic, and less CPU per byte than sha256) or `sha256`. Generations of "
                     "either kind verify whatever this is set to.")
     direct_io: bool | Literal["auto"] = Field(
         default="auto",
@@ -135,8 +135,8 @@ class CheckpointConfig(BaseModel):
         description="Commit every save to the memory tier first: each node's shared memory "
                     "(`/dev/shm/dist_ckpt-<run id>/`, owned by `python -m launch`, whose run id it needs), "
                     "so a restarted worker resumes without reading storage; `root` receives every "
-                    "`persist_every`-th generation (and the final one) in the background (README, "
-                    "\"Memory tier\"). Not combinable with `mirror` yet.")
+                    "`persist_every`-th generation (and the final one) in the background "
+                    "(docs/memory-tier.md). Not combinable with `mirror` yet.")
     persist_every: int = Field(
         default=1, ge=1,
         description="With `memory_tier`: persist every Nth committed in-memory generation to `root` "
@@ -150,8 +150,8 @@ class CheckpointConfig(BaseModel):
         default=True,
         description="With `memory_tier` on more than one node: each node also keeps a copy of its ring "
                     "predecessor's files of the newest in-memory generation, so a node that lost its "
-                    "memory (replaced, or its launcher died) still restores from memory (README, "
-                    "\"Memory tier\"). Each node's leader sends its files to the next node in the "
+                    "memory (replaced, or its launcher died) still restores from memory "
+                    "(docs/memory-tier.md). Each node's leader sends its files to the next node in the "
                     "background.")
     check_free_space: bool = Field(
         default=True,
@@ -273,7 +273,7 @@ class CheckpointConfig(BaseModel):
         return self
 
 
-# the README's default column where the field's default is not the value a user gets
+# docs/configuration.md's default column where the field's default is not the value a user gets
 _SHOWN_DEFAULTS = {
     "root": f"`${ROOT_ENV}`",
     "cache_dir": "temp dir",
@@ -299,9 +299,9 @@ def _shown_default(name: str) -> str:
 
 
 def config_table_markdown() -> str:
-    """The README's configuration table (field, default, meaning), one row per
+    """The configuration table of docs/configuration.md (field, default, meaning), one row per
     :class:`CheckpointConfig` field in declaration order, from the fields' descriptions.
-    Regenerate the README's copy with ``python scripts/config_table.py --write``."""
+    Regenerate that page's copy with ``python scripts/config_table.py --write``."""
     unknown = sorted(set(_SHOWN_DEFAULTS) - set(CheckpointConfig.model_fields))
     if unknown:
         raise ValueError(f"shown defaults for fields CheckpointConfig lacks: {unknown}")

@@ -1,7 +1,7 @@
 """File digests: the algorithms a manifest may name, and how each is computed.
 
-New generations use BLAKE3 (cryptographic, about four times sha256's speed on one core, and
-its ``update`` releases the GIL, so hashing beside a write or a read does not stall Python
+New generations use BLAKE3 (cryptographic, less CPU per byte than sha256, docs/performance.md;
+and its ``update`` releases the GIL, so hashing beside a write or a read does not stall Python
 threads). Manifests written with sha256 still verify: every manifest entry names its
 algorithm by its key (``"blake3"`` or ``"sha256"``).
 """

@@ -1,131 +1,14 @@
 """Named fault-injection points for the fault matrix (tests and scripts only).
 
-Configuration
--------------
-:func:`configure` (this process) or the ``DIST_CKPT_FAULTS`` environment variable (read at
-each hit while nothing was configured; parsed once per value) holds a JSON object mapping a
-point to a spec. Every key of a spec is optional:
+The library calls :func:`hit` at named points of the save, commit, mirror, ring, prune and
+restore paths; with nothing configured (:func:`configure` or ``DIST_CKPT_FAULTS``) a point
+costs one environment lookup and one dict lookup. A configured point can delay, raise, exit,
+SIGKILL the process, truncate an upload, or block until the test releases it
+(:func:`wait_reached`, :func:`release`; across processes through ``DIST_CKPT_FAULT_DIR``), so
+tests order events by blocking, never by a delay being long enough.
 
-``rank``            fire on this rank only (an int, or a list of ints);
-``after``           let that many (rank-matching) hits of the point pass first;
-``block``           ``true`` or a block name (default: the point's name): block until released,
-                    see "Blocking" below; the other keys act after the release;
-``block_timeout_s`` how long a block waits for its release (default 120 s), then it raises
-                    :class:`FaultInjected`;
-``delay_s``         sleep (an injected slow rank; never a way to order events in a test);
-``kill``            SIGKILL this process; ``exit``: ``os._exit(code)``;
-``raise``           raise :class:`FaultInjected`;
-``truncate``        read by the caller through :func:`hit`'s return value (``upload.file``).
-
-:func:`hit` returns the spec that fired, or ``{}``. With nothing configured a point costs
-what it cost before blocking existed: one environment lookup and one dict lookup.
-``configure(None)`` (or a new ``configure``) resets the hit counts and the in-process
-reached/released state, and lets every point blocked in this process go on.
-
-Blocking
---------
-A blocked point records that it was reached, then waits for its release:
-
-- in-process: arrivals per block name and rank under a condition variable, so a thread of
-  the same process waits with :func:`wait_reached` and releases with :func:`release`;
-- across processes, when a fault directory is known (the ``fault_dir`` argument of
-  :func:`configure`, else ``DIST_CKPT_FAULT_DIR``): the file ``<dir>/<name>.reached.<rank>``
-  is created when reached, and the point waits until ``<dir>/<name>.release`` exists (polled
-  every 20 ms). :func:`wait_reached` and :func:`release` with ``fault_dir=`` (or the same
-  environment variable) do the test's side from another process.
-
-Once released, a block name no longer blocks (every later hit passes), until ``configure``
-resets it (in-process) or the release file is removed. Use a fresh name or directory per
-scenario: reached markers in a directory persist. :func:`reached` lists arrivals without
-waiting; ``wait_reached(..., count=2)`` waits for two arrivals (two threads of one process);
-:func:`hits` counts the hits of every point. A test, in-process::
-
-    faults.configure({"write.before": {"block": "held"}})
-    job = mgr.save(1)                     # async: returns with the writer held
-    faults.wait_reached("held")           # the writer is at write.before, nothing written
-    mutate_the_live_tensors()             # ... whatever must happen while it is held
-    faults.release("held"); mgr.wait()
-
-Across processes, the job gets ``DIST_CKPT_FAULTS='{"report.before": {"rank": 1, "block":
-"r"}}'`` and ``DIST_CKPT_FAULT_DIR=D``; the test calls ``faults.wait_reached("r", rank=1,
-fault_dir=D)`` and ``faults.release("r", fault_dir=D)``.
-
-Points (``rank`` below is the rank the point fires for; a spec's ``rank`` filters on it)
-------------------------------------------------------------------------------------------
-Save, all ranks (docs/architecture.md, "Save"):
-
-``stage.before``            all ranks, main thread, in ``save()`` (``CheckpointManager._start``):
-                            the agreement and the space check passed; no staging slot taken,
-                            nothing copied, no plan prepared, no thread started.
-``stage.copy``              all ranks, ``snapshot="lazy"`` only, first thing the save thread
-                            does: ``save()`` returned, the deferred tensors not copied yet; the
-                            next optimizer step and ``wait_staged()`` wait while it is held.
-``stage.step_waits``        all ranks, ``snapshot="lazy"`` only, in the optimizer step's pre-hook
-                            when the step arrives before a pending copy no longer reads the
-                            live tensors (not hit when the copy was already done): the race
-                            the lazy snapshot guards against is happening.
-``write.before``            all ranks, first thing the writer does (the save thread of an async
-                            save): the state is staged, the outcome pre-check passed, no byte
-                            of this attempt is written.
-``write.shards_written``    all ranks: the DCP shards are written and hashed; the state files
-                            not yet (a mid-write point).
-``write.after``             all ranks: shards and state files written and fsynced locally,
-                            not yet handed to the tier (``put_files``).
-``upload.file``             all ranks, object-store tier (and mirror uploads): before each
-                            object upload of a rank's file (the file's rank); ``truncate``.
-``report.before``           all ranks: files written and handed to the tier (or the error
-                            caught), the ``RankReport`` not yet posted.
-``report.after``            all ranks: the ``RankReport`` is posted; rank 0 has not started
-                            collecting, the other ranks do not wait for the outcome yet.
-
-Commit, rank 0 (``save/commit.py`` and the tier's ``publish``):
-
-``commit.collected``        rank 0: every report collected (or the deadline passed), nothing
-                            of the commit done yet; fires on failed collections too.
-``commit.before_manifest``  rank 0: every rank reported, ``dcp/.metadata`` written locally,
-                            not yet handed to the tier.
-``commit.before_rename``    rank 0 (also a node-copy leader, reported as 0): rename tier:
-                            signature, ``manifest.json`` written and every directory fsynced,
-                            the pending directory not renamed; object-store tier (the save's
-                            and the mirror's publish): before the signature and the
-                            conditional create of the manifest.
-``commit.after_rename``     rank 0: the commit point passed (rename tier: renamed and the root
-                            fsynced; object-store tier, the mirror's too: the manifest created);
-                            the size check and ``latest.json`` not done yet.
-``commit.before_latest``    rank 0, rename tier: the published generation's sizes checked,
-                            ``latest.json`` not yet replaced.
-
-Mirror (``save/replay.py``, uploader threads):
-
-``mirror.upload``           every rank, for each announced generation: this rank's local copy
-                            is complete, none of its files uploaded (before ``put_files``).
-``mirror.before_publish``   rank 0: every rank reported a successful upload; the remote
-                            manifest not yet created. ``raise`` fails that upload.
-
-Memory tier ring (``ops/replica.py``, the janitor thread of each node's leader):
-
-``ring.push``               the node leader's rank: before it sends its newest in-memory
-                            generation to its ring successor. ``raise`` loses that replica
-                            (the next pass, or ``close``, tries again).
-
-Retention (``ops/retention.py``, ``prune``: the janitor thread of each filesystem leader,
-rank 0's uploader for the mirror, or the CLI as rank 0):
-
-``prune.manifest_removed``  the process's rank: a generation's manifest is deleted, its
-                            files not yet (``_remove``; a deletion cut short here).
-``prune.between``           the process's rank: after each generation or debris path was
-                            deleted (manifest first), before the next one.
-
-Restore (``restore/resume.py``, all ranks, main thread):
-
-``restore.selected``        all ranks: ``select_generation`` returned (same choice and
-                            rejections everywhere); nothing moved aside, nothing loaded.
-``restore.before_load``     all ranks: rejections moved aside, pointer checked; the chosen
-                            generation not yet loaded (before each load of a chosen
-                            generation; not reached on a fresh start).
-
-Points called without a rank resolve it only when a spec exists for them: the default
-process group's rank when one is initialised, else ``$RANK``, else 0.
+The spec keys, the blocking protocol and the catalogue of points (where each fires, on which
+ranks, and what holds at that moment): docs/faults.md.
 """
 
 from __future__ import annotations

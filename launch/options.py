@@ -4,7 +4,7 @@ torchrun's options are parsed with torchrun's own parser (``torch.distributed.ru
 option it has is accepted and validated as torchrun would, and forwarded token for token. The
 only rewrite: ``--max-restarts N`` becomes N + 1 launcher starts and torchrun gets
 ``--max-restarts 0``, because an in-place torchrun restart does not give the checkpoint group
-a fresh rendezvous (see the README).
+a fresh rendezvous (docs/launcher.md).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ index-addressed ``ResumableSampler`` (exactly-once data across restarts and worl
 registered NumPy generator, every random source seeded, an experiment contract built from the
 config, ``maybe_save`` at each optimizer boundary and ``finish`` at the end.
 
-The options under "fault injection and evidence" exist for the tests and the README's kill
-demo: a self-inflicted SIGKILL on the first start, an abort after DONE, the consumed sample
+The options under "fault injection and evidence" exist for the tests and the kill demo
+(scripts/demo.sh): a self-inflicted SIGKILL on the first start, an abort after DONE, the consumed sample
 indices, and a dump of the final gathered tensors.
 """
 

@@ -2,9 +2,9 @@
 per-model preparation kept from one save to the next.
 
 ``get_state_dict`` starts every call by mapping each parameter to its fully qualified names,
-finding shared parameters and FSDP modules (``_verify_options``): about a third of its time
-(0.4 of 1.4 ms for 11 FSDP2 parameters on the development machine, growing with the
-parameter count), for a result that changes only when the parameters do. ``StateDictReader``
+finding shared parameters and FSDP modules (``_verify_options``): a large share of its time,
+growing with the parameter count (docs/performance.md), for a result that changes only when
+the parameters do. ``StateDictReader``
 keeps that result while the model's and the optimizer's parameters are the same objects, and
 runs the rest exactly as torch does on every call (the model's ``state_dict``, the optimizer's,
 the consistency check), so whatever changes between saves (buffers, the learning rate, step

@@ -3,8 +3,8 @@
 ``get_state_dict`` on an optimizer that has no state yet (a restarted process) creates it by
 running one optimizer step on zero gradients (torch's ``_init_optim_state``): the full
 update math over every parameter, only to obtain tensors the load then overwrites. On a
-restart that is a large share of the restore (0.41 s of 0.72 s for 256 MiB of AdamW state per
-rank on the development machine). When the generation's metadata describes, for every
+restart that work grows with the optimizer state and can be a large share of the restore
+(docs/performance.md). When the generation's metadata describes, for every
 trainable parameter of the optimizer, state entries that are tensors of the parameter's own
 global shape or scalars, this module allocates those targets directly (``empty_like`` of the
 parameter keeps its sharding, so a resharded load works the same). Anything else (a

@@ -2,7 +2,7 @@
 
 :func:`central_directory` reads the end-of-central-directory records and the central directory
 with ``struct``: torch's writer (PyTorchStreamWriter, miniz) emits one narrow shape, which
-this reads about four times faster than ``zipfile`` does. Anything outside that shape (an
+this reads in a fraction of ``zipfile``'s time (docs/performance.md). Anything outside that shape (an
 archive comment, a zip64 extra field or a 0xFFFFFFFF size or offset, an extra field at all,
 data before the archive, a non-ASCII name, a record running past the directory) goes to
 ``zipfile`` instead, over the same bytes: where the narrow reader answers, its answer is the

@@ -50,9 +50,9 @@ SMALL_ITEM_BYTES = 64 << 10  # SmallItemsApartWriter: what goes to a rank's smal
 @contextmanager
 def without_zip_crc32() -> Generator[None, None, None]:
     """DCP stores each tensor as a ``torch.save`` zip whose writer computes a CRC32 of every
-    byte (about 2 GB/s on one core: as much CPU as the BLAKE3 digest). The file digest already
-    covers every byte, so the CRC is skipped while shard files are written; ``torch.load``
-    (and so ``dcp.load``) does not check it. The switch is torch's process-wide
+    byte, on the writer's core, at a cost comparable to the digest's (docs/performance.md).
+    The file digest already covers every byte, so the CRC is skipped while shard files are
+    written; ``torch.load`` (and so ``dcp.load``) does not check it. The switch is torch's process-wide
     ``torch.utils.serialization.config.save.compute_crc32``: a ``torch.save`` that another
     thread runs meanwhile writes a zip without CRC32 too (``torch.load`` reads it the same)."""
     global _crc_off_writers, _crc_saved

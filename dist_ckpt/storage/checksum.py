@@ -4,9 +4,9 @@ A store that verifies them (AWS S3, MinIO) refuses a body that differs from its 
 ``400 BadDigest``, and reports the stored value on a HEAD with ``ChecksumMode=ENABLED``. They
 prove that the bytes sent arrived; the manifest's digest stays the integrity record of a file.
 
-CRC32C comes from the ``crc32c`` package (hardware accelerated, about 6 GB/s on one core here,
-and it releases the GIL); without it, SHA256 from hashlib (it releases the GIL too, at about
-1 GB/s). A multipart upload sends one checksum per part; the object's is then S3's composite:
+CRC32C comes from the ``crc32c`` package (hardware accelerated, several times SHA256's rate,
+and it releases the GIL); without it, SHA256 from hashlib (it releases the GIL too; rates:
+docs/performance.md). A multipart upload sends one checksum per part; the object's is then S3's composite:
 the checksum of the concatenated raw part checksums, suffixed ``-<number of parts>``.
 """
 

@@ -1,10 +1,9 @@
 """Shard files written past the page cache (``O_DIRECT``), with a buffered fallback.
 
 A buffered write copies every byte into the page cache, and the kernel later writes it back
-and reclaims the pages: on the development machine that kernel work is most of a save's CPU
-(0.07 to 0.34 s of system time per 256 MiB, against about 0.05 s of user and system time
-for the same bytes written with ``O_DIRECT`` from a reused buffer). A checkpoint is read
-again only after a failure, so keeping it in the page cache buys little.
+and reclaims the pages: that kernel work, not the job's own, becomes most of a save's CPU,
+taken from training (figures: docs/performance.md). A checkpoint is read again only after a
+failure, so keeping it in the page cache buys little.
 
 ``O_DIRECT`` needs the memory address, the file offset and the length of every write aligned
 to the device's logical block. Bytes that arrive unaligned go through one aligned

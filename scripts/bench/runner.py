@@ -50,8 +50,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[str
 
 # glibc hands every freed block above its mmap threshold (at most 32 MiB) back to the kernel,
 # so without this each train step of the bench job faults its gradients and FSDP's gathered
-# parameters in afresh: at 512 MiB per rank 5 M minor faults and 14 s of system time per 8
-# steps, and step times so uneven (10 to 14 s for 4 steps) that no save's cost shows through.
+# parameters in afresh, and the step times spread more than any save costs, so no save's cost
+# shows through (figures: docs/performance.md).
 # Kept freed memory is what a caching allocator (CUDA's, jemalloc, tcmalloc) gives a real job.
 CACHING_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 

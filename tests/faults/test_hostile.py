@@ -10,7 +10,7 @@ newest is damaged) or as ``latest.json`` / ``pins.json`` / ``manifest.sig``. The
   newest) or is unaffected (damage in the pointer or the pins);
 - ``dist-ckpt verify ROOT GEN`` exits 1 (2 for a name that is not a generation), ``ls`` and
   ``inspect`` exit 0, 1 or 2, and nothing prints a Python traceback. ``ls`` lists; it exits 0
-  while reporting a damaged generation as ``invalid`` with the reason (README, "CLI").
+  while reporting a damaged generation as ``invalid`` with the reason (docs/cli.md).
 
 Symbolic links: every link below the root is refused, whether it points inside the root or
 outside it, and at a file or a directory (the library never writes one; a link can leave the
@@ -421,7 +421,7 @@ def test_hostile_generation(name: str, template: Path, signed_template: Path, tm
         assert code == 1 and f"{GEN2}: INVALID" in out and case.names in out, out
         code, out, _ = run_cli(capsys, "ls", str(root))
         line = next(line for line in out.splitlines() if GEN2 in line and "latest.json" not in line)
-        if case.digest_only:  # README: "ls checks sizes; `dist-ckpt verify` checks digests"
+        if case.digest_only:  # docs/cli.md: "ls checks sizes"; `dist-ckpt verify` checks digests
             assert code == 0 and "committed" in line, out
         else:
             assert code == 0 and "invalid" in line and case.names in line, out

@@ -63,7 +63,7 @@ def test_prune_killed_mid_way(tmp_path, point: str) -> None:
 def test_two_jobs_on_one_root(tmp_path) -> None:
     """Two jobs save into one root: the second writer of a generation gets GenerationExists,
     and generations of both jobs coexist, each complete. (Retention is per root: a job with
-    keep_last counts the other job's generations too; see the README's limits.)"""
+    keep_last counts the other job's generations too; see docs/guarantees.md.)"""
     root = str(tmp_path)
     first, second = make_state(), make_state()
     config = CheckpointConfig(root=root, async_save=False)
