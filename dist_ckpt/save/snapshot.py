@@ -9,7 +9,7 @@ updates) is copied before ``save()`` returns, as the eager snapshot copies every
 
 Order for one save on one rank:
 
-1. main thread, in ``save()``: ``begin`` builds the staging slot's mirror of the state
+1. main thread, in ``save()``: ``begin`` builds the staging slot's layout of the state
    (buffers allocated on the first save of a layout, DTensor wrappers, non-tensor values
    copied, the tensors not deferred copied, from CUDA queued on the current stream); the
    manager prepares the DCP plan over it (structure only, no data) and serialises the small
@@ -46,7 +46,7 @@ from ..protocol.comm import Comm
 from ..restart.state import TrainState
 from .coordinator import run_save_in_background
 from .request import SaveJob
-from .staging import Mirror, Pair, StagingSlot
+from .staging import Pair, StagedLayout, StagingSlot
 
 log = logs.get(__name__)
 
@@ -78,7 +78,7 @@ def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
 class PendingCopy:
     """The deferred tensor copy of one lazy snapshot, run once by its save thread."""
 
-    def __init__(self, mirror: Mirror, *, generation: str, rank: int, deadline: float,
+    def __init__(self, layout: StagedLayout, *, generation: str, rank: int, deadline: float,
                  side_stream: Callable[[torch.device], torch.cuda.Stream]) -> None:
         self.generation = generation
         self.rank = rank
@@ -86,14 +86,14 @@ class PendingCopy:
         self.enqueued = threading.Event()  # CPU tensors copied, device copies queued
         self.finished = threading.Event()  # every copy done (or failed)
         self.error: BaseException | None = None
-        self._cpu = [(b, s) for b, s in mirror.deferred if not s.is_cuda]
+        self._cpu = [(b, s) for b, s in layout.deferred if not s.is_cuda]
         self._cuda: dict[torch.device, list[Pair]] = {}
-        for buffer, source in mirror.deferred:
+        for buffer, source in layout.deferred:
             if source.is_cuda:
                 self._cuda.setdefault(source.device, []).append((buffer, source))
         self._side_stream = side_stream
-        # after the mirror's queued copies too: synchronising it means those are done
-        self._ready = {d: _record(torch.cuda.current_stream(d)) for d in {*self._cuda, *mirror.queued}}
+        # after the layout's queued copies too: synchronising it means those are done
+        self._ready = {d: _record(torch.cuda.current_stream(d)) for d in {*self._cuda, *layout.queued}}
         self._done: list[tuple[torch.device, torch.cuda.Event]] = []
         self._abandoned = False
         self._lock = threading.Lock()
@@ -175,9 +175,9 @@ class LazySnapshots:
 
     def begin(self, slot: StagingSlot, live: Any, *, generation: str, rank: int,
               timeout_s: float) -> tuple[Any, PendingCopy]:
-        """Main thread, in ``save()``: the staged mirror of ``live`` and its deferred copy."""
-        mirror = slot.mirror(live, changed_only_by_step(self.state.model, self.optimizers))
-        return mirror.staged, PendingCopy(mirror, generation=generation, rank=rank,
+        """Main thread, in ``save()``: the staged layout of ``live`` and its deferred copy."""
+        layout = slot.layout(live, changed_only_by_step(self.state.model, self.optimizers))
+        return layout.staged, PendingCopy(layout, generation=generation, rank=rank,
                                           deadline=time.monotonic() + timeout_s,
                                           side_stream=self._side_stream)
 

@@ -6,7 +6,7 @@ keeps one buffer per tensor, allocated on first use (pinned when the source is o
 page-aligned when it is a large CPU tensor: see ``_allocate``) and reused while the layout is
 unchanged.
 
-``stage`` copies at once (the eager snapshot). ``mirror`` builds the staged structure without
+``stage`` copies at once (the eager snapshot). ``layout`` builds the staged structure without
 the data of the tensors a ``defer`` predicate picks and returns them as (buffer, source) pairs,
 which ``dist_ckpt.save.snapshot`` copies later (the lazy snapshot); the others it copies at
 once, from CUDA queued on the current stream (the caller synchronises that stream's work).
@@ -31,7 +31,7 @@ from ..storage.directio import IN_PLACE_MIN, aligned_empty
 Pair = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, live source): a copy still to do
 
 
-class Mirror(NamedTuple):
+class StagedLayout(NamedTuple):
     staged: Any  # the staged structure: what the DCP plan and the writer see
     deferred: list[Pair]  # copies not done yet
     queued: set[torch.device]  # CUDA devices whose current stream has copies into it queued
@@ -61,8 +61,8 @@ class StagingSlot:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def stage(self, state: Any) -> Any:
-        """Copy ``state`` into this slot's buffers; returns the staged mirror of ``state``."""
-        staged, pairs, _ = self.mirror(state, lambda _: True)
+        """Copy ``state`` into this slot's buffers; returns the staged copy of ``state``."""
+        staged, pairs, _ = self.layout(state, lambda _: True)
         for buffer, source in pairs:
             buffer.copy_(source, non_blocking=source.is_cuda)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -70,20 +70,20 @@ class StagingSlot:
         return staged
 
     @torch.no_grad()  # DTensor.to_local without an autograd node per tensor
-    def mirror(self, state: Any, defer: Callable[[torch.Tensor], bool]) -> Mirror:
-        """The staged mirror of ``state`` (buffers allocated or reused, DTensor wrappers, other
+    def layout(self, state: Any, defer: Callable[[torch.Tensor], bool]) -> StagedLayout:
+        """The staged layout of ``state`` (buffers allocated or reused, DTensor wrappers, other
         values copied) and the (buffer, source) pairs of the tensors ``defer`` picked, whose
         data is not copied yet. Every other tensor is copied before this returns, except that
         a copy from CUDA is only queued on the current stream of its device (``queued``)."""
         seen: set[str] = set()
-        result = Mirror(None, [], set())
+        result = StagedLayout(None, [], set())
         staged = self._stage(state, "", seen, result, defer)
         for stale in set(self.buffers) - seen:
             self.pool._account(-self._bytes(self.buffers.pop(stale)))
             self._wrappers.pop(stale, None)
         return result._replace(staged=staged)
 
-    def _stage(self, value: Any, path: str, seen: set[str], out: Mirror,
+    def _stage(self, value: Any, path: str, seen: set[str], out: StagedLayout,
                defer: Callable[[torch.Tensor], bool]) -> Any:
         if isinstance(value, DTensor):
             local = self._buffer(value.to_local(), path, seen, out, defer)
@@ -105,7 +105,7 @@ class StagingSlot:
             return type(value)(items)
         return copy.deepcopy(value)
 
-    def _buffer(self, source: torch.Tensor, path: str, seen: set[str], out: Mirror,
+    def _buffer(self, source: torch.Tensor, path: str, seen: set[str], out: StagedLayout,
                 defer: Callable[[torch.Tensor], bool]) -> torch.Tensor:
         seen.add(path)
         source = source.detach()
