@@ -1,6 +1,5 @@
-"""The operations side: inventory, retention and pins, DONE records and ``finish``, launcher
-reports, log lines, diff and release export.
+"""Offline tools over generations: retention and pins, DONE records, diff and release export.
 
-May import every lower layer (``restart``, ``format``, ``storage``, ``protocol``, ``tiers``,
-``save``, ``restore``); nothing below imports it except through ``manager``.
+They run from the CLI as well as from a job (retention, DONE), and hold no job state.
+May import every lower layer; the memory tier, the lifecycle and the manager import them.
 """
