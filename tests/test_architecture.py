@@ -5,6 +5,7 @@ a kind of root. Type-only imports count like any other."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dist_ckpt"
@@ -107,3 +108,19 @@ def test_only_tiers_and_storage_name_a_kind_of_root() -> None:
                  for a in n.names}
         offenders += [f"{name}: {kind}" for kind in sorted(used & KIND_NAMES)]
     assert offenders == []
+
+
+MAP = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def test_every_module_is_in_the_map() -> None:
+    """docs/architecture.md names every module of dist_ckpt (relative to the package, e.g.
+    ``save/facts.py``) and of the launcher (``launch/runner.py``); package ``__init__`` files
+    excepted."""
+    text = MAP.read_text()
+    named = set(re.findall(r"`([A-Za-z0-9_/]+\.py)`", text))
+    launcher = PACKAGE.parent / "launch"
+    expected = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    expected |= {str(p.relative_to(PACKAGE.parent)) for p in launcher.rglob("*.py")}
+    missing = sorted(m for m in expected if not m.endswith("__init__.py") and m not in named)
+    assert missing == [], f"modules missing from {MAP.name}: {missing}"
