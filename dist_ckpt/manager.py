@@ -49,12 +49,12 @@ from .restore.resume import resume
 from .save import agreement, facts
 from .save.coordinator import SaveJob, SaveRequest, run_save
 from .save.inflight import InFlight, SaveStats
-from .save.planning import SavePlanCache, layout_fingerprint
+from .save.planning import PreparedSave, SavePlanCache, layout_fingerprint
 from .save.request import ManifestInfo
 from .save.schedule import SaveSchedule
 from .save.snapshot import PendingCopy, lazy_snapshots, run_after_copy
 from .save.space import check_space
-from .save.staging import Staged, StagingPool, stage_ahead
+from .save.staging import Staged, StagingPool, StagingSlot, stage_ahead
 from .storage.directio import filesystem_type
 from .tiers import CommitTier, TierOptions, open_tier
 from .version import __version__
@@ -267,7 +267,7 @@ class CheckpointManager:
         return finish.write_done(self.ctx, name, self.replayer)
 
     def _stage(self, live: dict, name: str, fingerprint: str, all_cached: bool,
-               ahead: Staged | None) -> tuple[object, object, PendingCopy | None]:
+               ahead: Staged | None) -> tuple[StagingSlot | None, PreparedSave, PendingCopy | None]:
         """This rank's staged copy (or, without staging, the live tensors) and its save plan;
         returns (slot, prepared plan, lazy copy still to run)."""
         if ahead is not None:
@@ -303,7 +303,7 @@ class CheckpointManager:
         is_root = self.comm.rank == 0
         request = SaveRequest(
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
-            attempt=self.tiers.target.begin(name, attempt_id), prepared=prepared,  # type: ignore[arg-type]
+            attempt=self.tiers.target.begin(name, attempt_id), prepared=prepared,
             signing_key=self.config.signing_key,
             digest_algorithm=self.config.digest_algorithm,
             rank_state=codec.dumps(state.rank_state()),

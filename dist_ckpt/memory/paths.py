@@ -1,7 +1,7 @@
 """Where the memory tier lives on a node, and who owns it: ``/dev/shm/dist_ckpt-<run id>/``.
 
 POSIX shared memory on Linux is the tmpfs mounted at ``/dev/shm``: a directory there holds
-the in-memory generations of one run on one node (the memory tier, ``tiers/memory.py``), and
+the in-memory generations of one run on one node (the memory tier, ``memory/tier.py``), and
 its bytes stay in RAM after the worker that wrote them dies. ``DIST_CKPT_SHM_DIR`` moves the
 base directory (tests use a private one).
 

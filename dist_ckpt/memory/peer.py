@@ -12,7 +12,7 @@ The bytes are not trusted: whoever fetched them checks them against the manifest
 digests) before anything is loaded, as with any other tier.
 
 Call order: every rank constructs ``PeerFiles`` (only leaders ``start`` it) in the same
-collective that exchanges addresses (``ops/replica.py``); ``fetch`` from any thread of any
+collective that exchanges addresses (``memory/ring.py``); ``fetch`` from any thread of any
 rank while the server runs; ``close`` once, when the manager closes.
 """
 

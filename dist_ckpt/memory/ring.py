@@ -11,7 +11,7 @@ node that lost its memory (a replaced machine, a launcher that died) is rebuilt 
 Call order:
 - ``NodeRing(...)`` on every rank, once, after the filesystem groups are known (collective:
   rank 0 draws the token; the leaders' server addresses are all-gathered);
-- ``push_newest`` then ``settle_replicas`` on each leader in the manager's janitor thread
+- ``push_newest`` then ``settle_replicas`` on each leader in the manager's pruning thread
   after each committed save, before the memory prune (so the generation being sent is never
   deleted meanwhile): this node's files of its newest committed in-memory generation go to
   the ring successor, manifest last (a replica's commit point), and the leader counts it in
@@ -142,15 +142,15 @@ class NodeRing:
         """The ranks of the node ``leader`` leads."""
         return {rank for rank, lead in enumerate(self.leader_of) if lead == leader}
 
-    # ---- replication (leaders, the manager's janitor thread) -------------------------------
+    # ---- replication (leaders, the manager's pruning thread) -------------------------------
     def push_newest(self) -> None:
         """Send this node's files of its newest committed in-memory generation to the ring
-        successor, manifest last, once. It runs in the janitor thread before the memory prune,
+        successor, manifest last, once. It runs in the pruning thread before the memory prune,
         so the generation being sent is never deleted meanwhile; an older one not sent yet is
         skipped (only the newest is kept)."""
         if not self.replicating or not self.is_leader:
             return
-        with self.push_lock:  # the janitor's pass and close's last one
+        with self.push_lock:  # the pruning pass and close's last one
             self._push_newest()
 
     def _push_newest(self) -> None:
@@ -181,7 +181,7 @@ class NodeRing:
             log.warning("could not count the replica of %s", newest, exc_info=True)
 
     def protected(self) -> frozenset[str]:
-        """Leaders (janitor or persistence thread, in the memory prune): this node's own
+        """Leaders (pruning or persistence thread, in the memory prune): this node's own
         committed generations to keep for a node lost meanwhile. A lost node is rebuilt at the
         newest generation its successor holds whole, which is at least the newest one every
         leader counted as replicated: this node keeps that one and the newer ones (all of its
@@ -199,7 +199,7 @@ class NodeRing:
         return frozenset(committed)
 
     def settle_replicas(self) -> None:
-        """Leaders, janitor thread: the newest complete replica (its manifest arrived, last)
+        """Leaders, pruning thread: the newest complete replica (its manifest arrived, last)
         is renamed to its generation's name; everything else goes but the newest pushed one
         still arriving (a failed push is retried under a new name: none pile up in RAM)."""
         if not self.is_leader or self.nodes == 1:
@@ -384,12 +384,12 @@ class NodeRing:
         shutil.rmtree(self.fetched_dir, ignore_errors=True)
 
     def close(self, after_error: bool = False) -> None:
-        """Every rank, after the manager's janitor thread ended (this node's pushes are over).
+        """Every rank, after the manager's pruning thread ended (this node's pushes are over).
         A leader says so in the store, then keeps serving until its predecessor said the same
         (bounded): the last push of a run is not cut off by the receiver closing first.
         ``after_error``: the job is failing (a peer may be gone): no push, no wait."""
         if not after_error:
-            self.push_newest()  # the run's last generation, if the janitor had not sent it yet
+            self.push_newest()  # the run's last generation, if the pruning thread had not sent it yet
         if self.server is not None:
             if not after_error:
                 try:

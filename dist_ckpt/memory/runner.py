@@ -1,6 +1,6 @@
 """The memory tier in front of the persistent root (``CheckpointConfig(memory_tier=True)``).
 
-Saves commit to the memory tier (``tiers/memory.py``) with the usual protocol (agreement,
+Saves commit to the memory tier (``memory/tier.py``) with the usual protocol (agreement,
 write, every rank's report, rank 0's manifest-last commit under ``commit_timeout_s``; node
 copies by each filesystem leader). The persistent root is fed from memory by a replay
 (``save/replay.py``: one replay thread per rank, every rank's report, rank 0's
@@ -13,11 +13,11 @@ Call order:
   True means "enqueue G for persistence" (``PersistPolicy``: every ``persist_every``-th,
   and/or once ``persist_interval_s`` passed since the last one chosen);
 - ``force(G)``: rank 0, from ``finish()``: G is persisted whatever the count;
-- ``prune_memory``: each filesystem leader's janitor thread after each in-memory commit, and
+- ``prune_memory``: each filesystem leader's pruning thread after each in-memory commit, and
   rank 0's after each persistence settles: keep the newest committed in-memory generation,
   plus those being persisted (the one being written is a pending directory, never pruned);
 - ``prune_root``: rank 0's replay thread after each completed persistence (``keep_last``);
-- ``before_restore``: every rank at the start of ``restore()`` (collective; ``ops/replica.py``);
+- ``before_restore``: every rank at the start of ``restore()`` (collective; ``memory/ring.py``);
 - ``after_restore``: every rank after ``restore()``; the filesystem leaders drop in-memory
   generations newer than the one resumed from (rejected, or saved by another world size).
 """
@@ -126,7 +126,7 @@ class MemoryTierRunner:
                         pinned=frozenset(retention.read_pins(self.root.store)))
 
     def replicate(self) -> None:
-        """Filesystem leaders, janitor thread, before ``prune_memory``: the ring copies."""
+        """Filesystem leaders, pruning thread, before ``prune_memory``: the ring copies."""
         if self.ring is None:
             return
         try:

@@ -7,8 +7,8 @@ Background (through the c10d store, never a collective; see docs/architecture.md
 - :class:`RankReport`: rank r -> rank 0, ``report_key(generation, attempt_id, r)``.
 - :class:`CommitOutcome`: rank 0 -> every rank, ``outcome_key(generation, attempt_id)``.
 - node copy published: a filesystem leader -> its group, ``published_key(...)``.
-- :class:`MirrorAnnouncement`: rank 0's uploader -> every uploader, ``mirror_seq_key(seq)``.
-- :class:`MirrorReport`: rank r's uploader -> rank 0's, ``mirror_report_key(seq, r)``.
+- :class:`MirrorAnnouncement`: rank 0's replay thread -> every replay thread, ``mirror_seq_key(seq)``.
+- :class:`MirrorReport`: rank r's replay thread -> rank 0's, ``mirror_report_key(seq, r)``.
 Keys a single reader consumes are deleted by that reader; keys read by several ranks are
 acknowledged under ``ack_key(key)`` and deleted by their writer once all have read them.
 """
@@ -137,7 +137,7 @@ class Collected:
 def collect(comm: Comm, keys: dict[int, str], deadline: float, *, delete: bool = True) -> Collected:
     """Wait until every rank's key exists or ``deadline`` (``time.monotonic``) passes; read
     what arrived and, with ``delete``, delete the keys read (the caller is their only reader).
-    Used by rank 0 for save reports and by rank 0's uploader for mirror reports."""
+    Used by rank 0 for save reports and by rank 0's replay thread for replay reports."""
     remaining = deadline - time.monotonic()
     if remaining > 0:
         late = set(comm.store_wait(list(keys.values()), remaining))

@@ -126,7 +126,7 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
     problem = None
     if same_world:
         # a node's copy holds its ranks' files and the common ones: each rank checks its own,
-        # each filesystem leader the common files (ops/replica.py completes the copies)
+        # each filesystem leader the common files (memory/ring.py completes the copies)
         mine = [f.path for f in manifest.files if f.rank == comm.rank
                 or (f.path in COMMON_FILES and comm.rank == comm.fs_leader)]
     else:

@@ -1,6 +1,6 @@
 """Checks on the facts every rank contributes to the all-gather at ``save()``.
 
-Call order: each rank adds its facts in ``ops.save_facts.gather_start``; after the all-gather
+Call order: each rank adds its facts in ``save.facts.gather_start``; after the all-gather
 every rank runs the same checks on the same list, so all ranks raise the same error or none.
 """
 

@@ -3,12 +3,12 @@ destination tier, and rank 0 publishes it there. Two uses: the mirror (the root'
 into ``config.mirror``) and the memory tier's persistence (memory into the root,
 ``memory/runner.py``). Below, "mirror" stands for whichever destination.
 
-Protocol (one uploader thread per rank; coordination only through the c10d store):
+Protocol (one replay thread per rank; coordination only through the c10d store):
 1. ``enqueue`` (rank 0, after a local commit): the generation joins a bounded queue; when the
    queue is full the oldest waiting generation is skipped (policy: keep the newest) and
    recorded as skipped in ``mirror.json``.
-2. rank 0's uploader announces the next generation to upload (a ``MirrorAnnouncement`` under
-   ``mirror_seq_key(n)``); every rank's uploader (all ranks, in sequence order) replays its
+2. rank 0's replay thread announces the next generation to upload (a ``MirrorAnnouncement`` under
+   ``mirror_seq_key(n)``); every rank's replay thread (all ranks, in sequence order) replays its
    own files of that committed local generation into the mirror tier (``CommitTier.begin``
    with ``source_dir``, then ``put_files``: uploaded and verified below the attempt's
    prefix) and posts a ``MirrorReport`` under ``mirror_report_key(n, rank)``.
