@@ -10,7 +10,7 @@ from ..errors import StorageError, UnsafeNameError
 from ..format.inventory import GenerationInfo, inventory
 from ..format.manifest import LATEST_NAME, PENDING_PREFIX, check_generation_name, read_latest_name
 from ..format.signing import key_from_env
-from ..storage.base import Backend
+from ..storage.base import Store
 from ..tiers import CommitTier, open_tier
 
 PROG = "dist-ckpt"
@@ -41,7 +41,7 @@ def human_bytes(size: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def open_root(root: str) -> Backend:
+def open_root(root: str) -> Store:
     """Open ``root`` and check it is a readable directory."""
     return open_root_tier(root).store
 
@@ -50,14 +50,14 @@ def open_root_tier(root: str) -> CommitTier:
     """The commit tier at ``root``, checked to be a readable directory."""
     try:
         tier = open_tier(root)
-        backend = tier.store
-        found = backend.exists("")
+        store = tier.store
+        found = store.exists("")
     except (StorageError, OSError, ValueError) as exc:
         raise UsageError(f"cannot open checkpoint root {root!r}: {exc}") from exc
     if not found:
         raise UsageError(f"checkpoint root {root!r} does not exist")
     try:
-        backend.listdir("")
+        store.listdir("")
     except (StorageError, OSError) as exc:
         raise UsageError(f"checkpoint root {root!r} is not a readable directory: {exc}") from exc
     return tier
@@ -66,26 +66,26 @@ def open_root_tier(root: str) -> CommitTier:
 _PENDING_RE = re.compile(rf"^{re.escape(PENDING_PREFIX)}gen-(\d{{12}})(?:-|$)")
 
 
-def checked_generation(backend: Backend, name: str) -> str:
+def checked_generation(store: Store, name: str) -> str:
     """Reject unsafe or malformed names and generations that do not exist (exit 2)."""
     try:
         check_generation_name(name)
     except UnsafeNameError as exc:
         raise UsageError(str(exc)) from exc
-    if not backend.exists(name):
-        raise UsageError(f"no generation {name!r} under {backend.root}")
+    if not store.exists(name):
+        raise UsageError(f"no generation {name!r} under {store.root}")
     return name
 
 
 read_latest = read_latest_name  # the CLI's name for it
 
 
-def latest_warnings(backend: Backend, latest: str | None) -> list[str]:
+def latest_warnings(store: Store, latest: str | None) -> list[str]:
     """A pointer at a generation that is gone (pruned or moved aside by hand) is worth a word:
     restore never follows it, but scripts that read ``latest.json`` do."""
-    if latest is None or backend.exists(latest):
+    if latest is None or store.exists(latest):
         return []
-    return [f"{LATEST_NAME} points to {latest}, which does not exist under {backend.root}"]
+    return [f"{LATEST_NAME} points to {latest}, which does not exist under {store.root}"]
 
 
 def update_number(info: GenerationInfo) -> int | None:
@@ -95,13 +95,13 @@ def update_number(info: GenerationInfo) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def sorted_inventory(backend: Backend) -> list[GenerationInfo]:
+def sorted_inventory(store: Store) -> list[GenerationInfo]:
     """All generations and pending directories, newest update number first."""
     def key(info: GenerationInfo) -> int:
         number = update_number(info)
         return -1 if number is None else number
 
-    return sorted(inventory(backend, digests=False, key=key_from_env()), key=key, reverse=True)
+    return sorted(inventory(store, digests=False, key=key_from_env()), key=key, reverse=True)
 
 
 def print_table(rows: list[list[str]]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ValidationError
-from ..storage.base import Backend
+from ..storage.base import Store
 from .manifest import Manifest, parse_generation
 from .validate import list_generations, list_pending, validate
 
@@ -21,11 +21,11 @@ class GenerationInfo:
     manifest: Manifest | None = None
 
 
-def inspect_generation(backend: Backend, name: str, *, digests: bool,
+def inspect_generation(store: Store, name: str, *, digests: bool,
                        key: bytes | None = None) -> GenerationInfo:
     number = parse_generation(name)
     try:
-        manifest = validate(backend, name, digests=digests, key=key)
+        manifest = validate(store, name, digests=digests, key=key)
     except ValidationError as exc:
         return GenerationInfo(name, number, "invalid", reason=str(exc), path=exc.path)
     except OSError as exc:
@@ -33,20 +33,20 @@ def inspect_generation(backend: Backend, name: str, *, digests: bool,
     return GenerationInfo(name, number, "committed", manifest.total_bytes, manifest=manifest)
 
 
-def inventory(backend: Backend, *, digests: bool, key: bytes | None = None) -> list[GenerationInfo]:
+def inventory(store: Store, *, digests: bool, key: bytes | None = None) -> list[GenerationInfo]:
     """Every generation and pending directory; with ``key``, unsigned manifests are invalid."""
-    infos = [inspect_generation(backend, name, digests=digests, key=key)
-             for name in list_generations(backend)]
-    for name in list_pending(backend):
+    infos = [inspect_generation(store, name, digests=digests, key=key)
+             for name in list_generations(store)]
+    for name in list_pending(store):
         infos.append(GenerationInfo(name, None, "pending", reason="not committed (in flight "
                                                                   "or abandoned)"))
     return infos
 
 
-def newest_committed(backend: Backend, key: bytes | None = None) -> str | None:
+def newest_committed(store: Store, key: bytes | None = None) -> str | None:
     """The newest generation whose structure and sizes check out (what restore tries first,
     before digests), or None."""
-    for name in list_generations(backend):
-        if inspect_generation(backend, name, digests=False, key=key).state == "committed":
+    for name in list_generations(store):
+        if inspect_generation(store, name, digests=False, key=key).state == "committed":
             return name
     return None

@@ -82,7 +82,7 @@ def check_relative_path(path: str) -> str:
     return path
 
 
-def regular_file_size(backend: Any, rel: str, *, generation: str | None = None,
+def regular_file_size(store: Any, rel: str, *, generation: str | None = None,
                       path: str | None = None, limit: int | None = None,
                       checked_dirs: set[str] | None = None) -> int:
     """The size of ``rel`` through the store's ``checked_size``: a regular file reached
@@ -90,7 +90,7 @@ def regular_file_size(backend: Any, rel: str, *, generation: str | None = None,
     Raises ``UnsafeFileError`` naming ``path`` (default ``rel``) in ``generation``, or
     ``FileNotFoundError``. ``checked_dirs`` caches directories a store already found sound."""
     try:
-        return backend.checked_size(rel, limit=limit, sound_dirs=checked_dirs)
+        return store.checked_size(rel, limit=limit, sound_dirs=checked_dirs)
     except UnsafeFileError as exc:
         shown = path or rel
         raise UnsafeFileError(f"{generation + ': ' if generation else ''}{shown}: {exc}",
@@ -251,12 +251,12 @@ class LatestPointer(BaseModel):
                    next_update=manifest.next_update)
 
 
-def read_latest_name(backend: Any) -> str | None:
-    """The generation ``latest.json`` under ``backend`` names; None when absent or unreadable
+def read_latest_name(store: Any) -> str | None:
+    """The generation ``latest.json`` under ``store`` names; None when absent or unreadable
     (the pointer is a hint: nothing trusts it over validation)."""
     try:
-        regular_file_size(backend, LATEST_NAME, limit=MAX_POINTER_BYTES)  # a FIFO would block
-        raw = backend.read_bytes(LATEST_NAME)
+        regular_file_size(store, LATEST_NAME, limit=MAX_POINTER_BYTES)  # a FIFO would block
+        raw = store.read_bytes(LATEST_NAME)
         if len(raw) > MAX_POINTER_BYTES:
             return None
         return LatestPointer.model_validate_json(raw).generation

@@ -112,15 +112,15 @@ class Generation:
     manifest: Manifest
 
     @property
-    def backend(self) -> StoreReader:
+    def store(self) -> StoreReader:
         return self.tier.store
 
     @property
     def url(self) -> str:
-        return self.backend.url(self.name)
+        return self.store.url(self.name)
 
     def read_json(self, path: str) -> Any:
-        raw = read_verified(self.backend, self.name, self.manifest, path)
+        raw = read_verified(self.store, self.name, self.manifest, path)
         return codec.loads(raw, what=f"{self.name}/{path}")
 
 
@@ -145,15 +145,15 @@ def locate(spec: str, *, key: bytes | None = None) -> Generation:
     """``ROOT`` (its newest committed generation) or the path/URL of a generation directory."""
     root, name = split_spec(spec)
     tier = open_tier(root)
-    backend = tier.store
-    if not backend.exists(""):
+    store = tier.store
+    if not store.exists(""):
         raise StorageError(f"checkpoint root {root!r} does not exist")
     if name is None:
-        name = newest_committed(backend, key)
+        name = newest_committed(store, key)
         if name is None:
-            raise ValidationError(f"no committed generation under {backend.root}")
-    elif not backend.exists(name):
-        raise ValidationError(f"no generation {name!r} under {backend.root}", generation=name)
+            raise ValidationError(f"no committed generation under {store.root}")
+    elif not store.exists(name):
+        raise ValidationError(f"no generation {name!r} under {store.root}", generation=name)
     return open_generation(tier, name, key=key)
 
 
@@ -352,7 +352,7 @@ class _TensorSource:
             metadata = reader.read_metadata()
             if not reader.hashes_on_read:
                 # files read in place cannot be swapped under a private copy: hash them first
-                check_digests(generation.backend, name, manifest, [
+                check_digests(generation.store, name, manifest, [
                     f.path for f in manifest.files if f.path.startswith("dcp/") and f.path != METADATA_FILE])
             yield cls(generation, reader, metadata)
         finally:

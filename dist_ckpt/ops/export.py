@@ -62,7 +62,7 @@ from ..format.manifest import (
     check_relative_path,
 )
 from ..format.validate import check_digests, check_sizes, check_structure
-from ..storage.base import Backend
+from ..storage.base import Store
 from ..storage.local import fsync_dir
 from ..tiers import CommitTier, GenerationReader, TierOptions, open_tier
 from ..version import __version__
@@ -118,7 +118,7 @@ class _Entry:
 
 @dataclass
 class _Source:
-    backend: Backend
+    store: Store
     name: str
     manifest: Manifest
     manifest_sha256: str
@@ -194,14 +194,14 @@ def _publish(tmp: str, out: str) -> None:
 # ---- the source generation -----------------------------------------------------------------
 def _open_source(tier: CommitTier, generation: str | None, key: bytes | None,
                  cache_dir: str | None) -> _Source:
-    backend = tier.store
-    name = generation if generation is not None else newest_committed(backend, key)
+    store = tier.store
+    name = generation if generation is not None else newest_committed(store, key)
     if name is None:
-        raise ValidationError(f"no committed generation under {backend.root}")
+        raise ValidationError(f"no committed generation under {store.root}")
     check_generation_name(name)
-    manifest = check_structure(backend, name, key=key)
-    check_sizes(backend, name, manifest)
-    raw = backend.read_bytes(f"{name}/{MANIFEST_NAME}")
+    manifest = check_structure(store, name, key=key)
+    check_sizes(store, name, manifest)
+    raw = store.read_bytes(f"{name}/{MANIFEST_NAME}")
     if Manifest.from_bytes(raw, generation=name) != manifest:
         raise ValidationError(f"{name}: manifest changed during export", generation=name,
                               path=MANIFEST_NAME)
@@ -211,7 +211,7 @@ def _open_source(tier: CommitTier, generation: str | None, key: bytes | None,
     except BaseException:
         reader.close()
         raise
-    return _Source(backend, name, manifest, hashlib.sha256(raw).hexdigest(), reader, metadata,
+    return _Source(store, name, manifest, hashlib.sha256(raw).hexdigest(), reader, metadata,
                    [METADATA_FILE])
 
 
@@ -252,7 +252,7 @@ def _verify_files_read(source: _Source, entries: list[_Entry]) -> None:
             raise ValidationError(f"{source.name}: DCP metadata names {path}, which the manifest "
                                   "does not list", generation=source.name, path=path)
     if not source.reader.hashes_on_read:
-        check_digests(source.backend, source.name, source.manifest, files)
+        check_digests(source.store, source.name, source.manifest, files)
     source.verified += files
 
 

@@ -93,14 +93,14 @@ def select_generation(comm: Comm, tiers: list[CommitTier], *, digests: bool = Tr
     return None, None, None, rejected
 
 
-def _listing(backend: StoreReader) -> set[str]:
+def _listing(store: StoreReader) -> set[str]:
     try:
-        return set(list_generations(backend))
+        return set(list_generations(store))
     except StorageError:
         return set()
 
 
-def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests: bool,
+def validate_everywhere(comm: Comm, store: StoreReader, name: str, *, digests: bool,
                          key: bytes | None, shards_on_load: bool = False,
                          same_world: bool = False) -> Manifest | Problem:
     """Rank 0 checks structure and sizes; the digest check is split across ranks (all of it,
@@ -109,9 +109,9 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
     digest is computed, with that reason."""
     if comm.rank == 0:
         try:
-            checked = check_structure(backend, name, key=key)
+            checked = check_structure(store, name, key=key)
             if not same_world:  # node copies: each rank checks its node's files below
-                check_sizes(backend, name, checked)
+                check_sizes(store, name, checked)
             verdict: str | Problem = checked.model_dump_json()
         except Exception as exc:  # noqa: BLE001 - any failure rejects it; peers wait on the broadcast
             verdict = Problem(name, _reason(exc), getattr(exc, "path", None),
@@ -138,10 +138,10 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
         hashed = set(mine) if digests else set(mine) & ALWAYS_HASHED
         if shards_on_load:
             hashed = {p for p in hashed if p in ALWAYS_HASHED or not p.startswith(f"{DCP_DIR}/")}
-        check_digests(backend, name, manifest, hashed)
+        check_digests(store, name, manifest, hashed)
         # the rest of this rank's share by size (a node-local copy may lack other nodes'
         # files); a hashed file needs no size check: a missing or resized one fails its digest
-        check_sizes(backend, name, manifest.model_copy(
+        check_sizes(store, name, manifest.model_copy(
             update={"files": [f for f in manifest.files if f.path in set(mine) - hashed]}))
     except Exception as exc:  # noqa: BLE001 - reported through the all-gather, never raised alone
         problem = Problem(name, _reason(exc), getattr(exc, "path", None))
@@ -192,19 +192,19 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
     except BaseException:
         optim_targets.discard(state, prebuilt)  # the next candidate starts from no state
         raise
-    backend = tier.store
+    store = tier.store
     state.load_tensor_state(template)
 
-    raw_global = read_verified(backend, name, manifest, GLOBAL_STATE_FILE, validated=True)
+    raw_global = read_verified(store, name, manifest, GLOBAL_STATE_FILE, validated=True)
     saved_global = codec.loads(raw_global, what=f"{name}/{GLOBAL_STATE_FILE}")
     state.load_global_state(saved_global, wanted)
     if "rng" in wanted:  # last: constructing and loading must not consume restored streams
         if comm.rank < manifest.world_size:
             own = rank_state_file(comm.rank)
-            saved_rank = codec.loads(read_verified(backend, name, manifest, own, validated=True))
+            saved_rank = codec.loads(read_verified(store, name, manifest, own, validated=True))
             state.load_rank_state(saved_rank)
         else:
-            base = codec.loads(read_verified(backend, name, manifest, rank_state_file(0), validated=True))
+            base = codec.loads(read_verified(store, name, manifest, rank_state_file(0), validated=True))
             state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
     return result
 

@@ -34,7 +34,7 @@ from ..format.manifest import Manifest, rank_state_file
 from ..format.validate import read_verified
 from ..restart import codec, rng
 from ..restart import contract as contract_mod
-from ..storage.base import Backend
+from ..storage.base import Store
 from ..tiers.base import CommitTier
 from .layout import check_layout
 from .loader import (
@@ -156,7 +156,7 @@ def _check_tensors(mgr: CheckpointManager, tier: CommitTier, name: str, manifest
         raise RehearsalFailed(name, COMPONENT_OF_PREFIX.get(key.split(".", 1)[0], "model"), reason) from exc
 
 
-def _check_rng(mgr: CheckpointManager, backend: Backend, name: str, manifest: Manifest) -> None:
+def _check_rng(mgr: CheckpointManager, backend: Store, name: str, manifest: Manifest) -> None:
     rank = mgr.comm.rank if mgr.comm.rank < manifest.world_size else 0
     try:
         raw = read_verified(backend, name, manifest, rank_state_file(rank), validated=True)
@@ -184,7 +184,7 @@ def _digest(mgr: CheckpointManager) -> str:
     return combined.hexdigest()
 
 
-def read_rehearsals(backend: Backend) -> dict[str, dict[str, Any]]:
+def read_rehearsals(backend: Store) -> dict[str, dict[str, Any]]:
     try:
         loaded = json.loads(backend.read_bytes(REHEARSALS_NAME))
     except (FileNotFoundError, StorageError, ValueError):
@@ -192,7 +192,7 @@ def read_rehearsals(backend: Backend) -> dict[str, dict[str, Any]]:
     return loaded if isinstance(loaded, dict) else {}
 
 
-def passed(backend: Backend, generation: str) -> bool:
+def passed(backend: Store, generation: str) -> bool:
     return bool(read_rehearsals(backend).get(generation, {}).get("passed"))
 
 

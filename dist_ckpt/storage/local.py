@@ -89,8 +89,8 @@ def file_digest(path: str, algorithm: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-class LocalBackend:
-    """Backend over a local (or shared POSIX) directory."""
+class LocalStore:
+    """A store over a local (or shared POSIX) directory."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)

@@ -22,7 +22,7 @@ from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_entry, check_sizes, move_latest
 from ..storage.base import is_remote
 from ..storage.directio import durable_file, resolve_direct_io
-from ..storage.local import LocalBackend, fsync_dir, write_durable
+from ..storage.local import LocalStore, fsync_dir, write_durable
 from .base import (
     GenerationReader,
     LocalFilesReader,
@@ -133,7 +133,7 @@ class RenameTier:
 
     def __init__(self, root: str, local_ranks: frozenset[int] | None = None, *,
                  direct_io: bool | str = "auto") -> None:
-        self.store = LocalBackend(root)
+        self.store = LocalStore(root)
         self.root = self.store.root
         self.url = self.root
         self.local_root = self.root

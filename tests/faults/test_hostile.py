@@ -75,7 +75,7 @@ from dist_ckpt.format.signing import KEY_ENV, SIGNATURE_NAME, sign, verify
 from dist_ckpt.format.validate import list_generations, read_manifest, read_verified, validate
 from dist_ckpt.ops.retention import PINS_NAME, read_pins
 from dist_ckpt.restore.loader import RestoreResult
-from dist_ckpt.storage.local import LocalBackend
+from dist_ckpt.storage.local import LocalStore
 from tests.helpers.local_jobs import make_state, two_generations
 
 GEN1 = "gen-000000000001"
@@ -404,7 +404,7 @@ def test_hostile_generation(name: str, template: Path, signed_template: Path, tm
     if case.signed:
         monkeypatch.setenv(KEY_ENV, KEY)
     marker = case.plant(root, tmp_path)
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     with FifoWatch(fifos_under(root)) as fifos:
         # the library's validation: the newest generation is refused with a named file
         with pytest.raises(case.error) as caught:
@@ -473,7 +473,7 @@ def test_huge_declared_sizes_allocate_nothing(template: Path, tmp_path: Path) ->
     entry_of(doc, GLOBAL_STATE_FILE)["size"] = 2**62
     doc["total_bytes"] = 2**63
     write_doc(root, doc)
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     manifest = read_manifest(backend, GEN2)
     tracemalloc.start()
     try:
@@ -521,7 +521,7 @@ def test_generation_names_that_are_not_numbers(template: Path, tmp_path: Path,
         shutil.copytree(root / GEN2, root / name)
     os.mkdir(os.path.join(os.fsencode(root), b"gen-\xff\xfe0000000003"))  # not UTF-8
     os.mkdir(os.path.join(os.fsencode(root), b".pending-gen-000000000004-\xff"))
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     assert list_generations(backend) == [GEN2, GEN1]
     for name in impostors:
         code, _, err = run_cli(capsys, "verify", str(root), name)
@@ -596,7 +596,7 @@ def test_hostile_latest_pointer(name: str, template: Path, tmp_path: Path,
     """The pointer is a hint: a hostile one is ignored (None), never followed or opened."""
     root = copy_root(template, tmp_path / "root")
     LATEST_CASES[name](root, tmp_path)
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     with FifoWatch(fifos_under(root)) as fifos:
         assert read_latest_name(backend) is None
         # the launcher reads the pointer for its log line and free-space estimate: same rule
@@ -636,7 +636,7 @@ def test_hostile_pins(name: str, template: Path, tmp_path: Path,
     training (restore) goes on."""
     root = copy_root(template, tmp_path / "root")
     PINS_CASES[name](root, tmp_path)
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     with FifoWatch(fifos_under(root)) as fifos:
         with pytest.raises(StorageError, match=PINS_NAME):
             read_pins(backend)
