@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -42,7 +43,7 @@ from ..restart import codec, rng
 from ..restart import contract as contract_mod
 from ..restart.state import TrainState
 from ..storage.base import StoreReader
-from ..tiers.base import CommitTier
+from ..tiers.base import CommitTier, GenerationReader
 from . import optim_targets
 from .layout import check_layout
 from .onepass import OnePassReader, own_shards
@@ -209,6 +210,34 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
     return result
 
 
+def verification_failures(exc: BaseException, errors: list[ValidationError], rank: int = 0
+                          ) -> dict[int, ValidationError]:
+    """The verification failures behind a failed ``dcp.load``, by rank (empty when ``exc`` is
+    another failure). DCP wraps what each rank raised in a ``CheckpointException``
+    (``failures``: rank -> (exception, traceback)), so ours are found there by type; the
+    reader's ``errors`` (what it raised, which DCP may have rewrapped) stand for ``rank`` when
+    DCP carries none for it. Catch ``CheckpointException`` explicitly: it is a BaseException."""
+    failed = {r: failure for r, (failure, _) in getattr(exc, "failures", {}).items()
+              if isinstance(failure, ValidationError)}
+    if errors:
+        failed.setdefault(rank, errors[0])
+    return failed
+
+
+def load_in_process(template: dict[str, Any], reader: GenerationReader) -> None:
+    """``dcp.load`` into ``template`` in this process alone (the offline tools: no process
+    group); a verification failure is raised as itself, not wrapped by DCP."""
+    try:
+        with warnings.catch_warnings():  # no process group is the point, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, storage_reader=reader.storage_reader, no_dist=True)
+    except (CheckpointException, Exception) as exc:  # a BaseException; surface ours as ours
+        failed = verification_failures(exc, reader.errors)
+        if failed:
+            raise failed[min(failed)] from exc
+        raise
+
+
 def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
               template_for: Callable[[Metadata], dict], scratch_parent: str | None,
               one_pass: bool) -> dict:
@@ -233,10 +262,7 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
                 dcp.load(template, storage_reader=storage_reader)
         return template
     except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
-        failed = {rank: failure for rank, (failure, _) in getattr(exc, "failures", {}).items()
-                  if isinstance(failure, ValidationError)}
-        if reader.errors:
-            failed.setdefault(comm.rank, reader.errors[0])
+        failed = verification_failures(exc, reader.errors, comm.rank)
         if not failed:
             raise
         detail = "; ".join(f"rank {rank}: {failure}" for rank, failure in sorted(failed.items()))
