@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ValidationError
-from ..storage.base import Store
-from .manifest import Manifest, parse_generation
+from ..storage.base import StoreReader
+from .manifest import MANIFEST_NAME, Manifest, parse_generation
 from .validate import list_generations, list_pending, validate
 
 
@@ -21,7 +21,7 @@ class GenerationInfo:
     manifest: Manifest | None = None
 
 
-def inspect_generation(store: Store, name: str, *, digests: bool,
+def inspect_generation(store: StoreReader, name: str, *, digests: bool,
                        key: bytes | None = None) -> GenerationInfo:
     number = parse_generation(name)
     try:
@@ -33,7 +33,15 @@ def inspect_generation(store: Store, name: str, *, digests: bool,
     return GenerationInfo(name, number, "committed", manifest.total_bytes, manifest=manifest)
 
 
-def inventory(store: Store, *, digests: bool, key: bytes | None = None) -> list[GenerationInfo]:
+def is_committed(store: StoreReader, name: str, key: bytes | None = None) -> bool:
+    """Whether generation ``name`` is committed in ``store``: its manifest is there, and the
+    structure and sizes check out (digests are not read; with ``key``, only if signed by it).
+    The one answer to the question, for every caller that asks it."""
+    return store.exists(f"{name}/{MANIFEST_NAME}") \
+        and inspect_generation(store, name, digests=False, key=key).state == "committed"
+
+
+def inventory(store: StoreReader, *, digests: bool, key: bytes | None = None) -> list[GenerationInfo]:
     """Every generation and pending directory; with ``key``, unsigned manifests are invalid."""
     infos = [inspect_generation(store, name, digests=digests, key=key)
              for name in list_generations(store)]
@@ -43,10 +51,7 @@ def inventory(store: Store, *, digests: bool, key: bytes | None = None) -> list[
     return infos
 
 
-def newest_committed(store: Store, key: bytes | None = None) -> str | None:
+def newest_committed(store: StoreReader, key: bytes | None = None) -> str | None:
     """The newest generation whose structure and sizes check out (what restore tries first,
     before digests), or None."""
-    for name in list_generations(store):
-        if inspect_generation(store, name, digests=False, key=key).state == "committed":
-            return name
-    return None
+    return next((name for name in list_generations(store) if is_committed(store, name, key)), None)
