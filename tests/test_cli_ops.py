@@ -11,10 +11,12 @@ import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ResumableSampler, __version__
 from dist_ckpt.cli.app import FOOTNOTE, main
+from dist_ckpt.format.inventory import is_committed
+from dist_ckpt.format.manifest import MANIFEST_NAME, REASON_NAME, REJECTED_DIR
 from dist_ckpt.format.validate import Problem
 from dist_ckpt.ops.retention import change_pin, read_pins, set_pin
 from dist_ckpt.storage.local import LocalStore
-from dist_ckpt.tiers.rejected import REASON_NAME, REJECTED_DIR, move_aside
+from dist_ckpt.tiers.rejected import move_aside
 from tests.helpers.local_jobs import make_state, step, two_generations
 
 GEN1 = "gen-000000000001"
@@ -35,6 +37,16 @@ def root(template: Path, tmp_path: Path) -> Path:
     dest = tmp_path / "ckpt"
     shutil.copytree(template, dest)
     return dest
+
+
+def test_is_committed(root: Path) -> None:
+    """The one answer to "is G committed here?": manifest, structure and sizes (no digests)."""
+    store = LocalStore(str(root))
+    assert is_committed(store, GEN1) and is_committed(store, GEN2)
+    assert not is_committed(store, "gen-000000000003")
+    (root / GEN2 / SHARD).write_bytes(b"x")  # the wrong size
+    (root / GEN1 / MANIFEST_NAME).unlink()
+    assert not is_committed(store, GEN2) and not is_committed(store, GEN1)
 
 
 @pytest.fixture(scope="module")

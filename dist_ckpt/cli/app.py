@@ -18,16 +18,21 @@ from typing import Any
 from .. import progress
 from ..errors import DistCkptError, StorageError, ValidationError
 from ..format.inventory import GenerationInfo, inventory
-from ..format.manifest import LATEST_NAME, parse_generation
+from ..format.manifest import (
+    LATEST_NAME,
+    REASON_NAME,
+    REJECTED_DIR,
+    parse_generation,
+    read_latest_name,
+    rejected_generation,
+)
 from ..format.signing import key_from_env
 from ..ops.retention import prune, read_pins
 from ..save.mirror import read_mirror_state
 from ..storage.base import StoreReader, open_store
-from ..tiers.rejected import REASON_NAME, REJECTED_DIR
 from ..version import __version__
 from .common import (
     PROG,
-    QUARANTINED_ENTRY,
     Refused,
     UsageError,
     error,
@@ -36,7 +41,6 @@ from .common import (
     open_root,
     open_root_tier,
     print_table,
-    read_latest,
     sorted_inventory,
     update_number,
     warn,
@@ -67,12 +71,12 @@ def quarantined_records(store: StoreReader) -> list[dict[str, Any]]:
         entries = []
     records = []
     for entry in sorted(entries, reverse=True):  # same generation: newest move first
-        match = QUARANTINED_ENTRY.match(entry)
+        generation = rejected_generation(entry)
         rel = f"{REJECTED_DIR}/{entry}"
-        if match is None or not _is_directory(store, rel):
+        if generation is None or not _is_directory(store, rel):
             continue
-        records.append({"name": entry, "generation": match.group(1),
-                        "next_update": parse_generation(match.group(1)), "state": "quarantined",
+        records.append({"name": entry, "generation": generation,
+                        "next_update": parse_generation(generation), "state": "quarantined",
                         "total_bytes": store.tree_size(rel), "latest": False,
                         "pin": None, "reason": first_reason_line(store, rel), "path": rel})
     return sorted(records, key=lambda rec: rec["next_update"], reverse=True)
@@ -96,7 +100,7 @@ def first_reason_line(store: StoreReader, entry: str) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     store = open_root(args.root)
-    latest = read_latest(store)
+    latest = read_latest_name(store)
     pins = read_pins(store)
     records = [ls_record(info, latest, pins) for info in sorted_inventory(store)]
     quarantined = quarantined_records(store)

@@ -3,12 +3,11 @@ opening a root."""
 
 from __future__ import annotations
 
-import re
 import sys
 
 from ..errors import StorageError, UnsafeNameError
 from ..format.inventory import GenerationInfo, inventory
-from ..format.manifest import LATEST_NAME, PENDING_PREFIX, check_generation_name, read_latest_name
+from ..format.manifest import LATEST_NAME, check_generation_name, pending_update
 from ..format.signing import key_from_env
 from ..storage.base import Store
 from ..tiers import CommitTier, open_tier
@@ -63,21 +62,20 @@ def open_root_tier(root: str) -> CommitTier:
     return tier
 
 
-_PENDING_RE = re.compile(rf"^{re.escape(PENDING_PREFIX)}gen-(\d{{12}})(?:-|$)")
-
-
-def checked_generation(store: Store, name: str) -> str:
-    """Reject unsafe or malformed names and generations that do not exist (exit 2)."""
+def safe_generation_name(name: str) -> str:
+    """Reject unsafe or malformed generation names (exit 2)."""
     try:
         check_generation_name(name)
     except UnsafeNameError as exc:
         raise UsageError(str(exc)) from exc
-    if not store.exists(name):
-        raise UsageError(f"no generation {name!r} under {store.root}")
     return name
 
 
-read_latest = read_latest_name  # the CLI's name for it
+def checked_generation(store: Store, name: str) -> str:
+    """Reject unsafe or malformed names and generations that do not exist (exit 2)."""
+    if not store.exists(safe_generation_name(name)):
+        raise UsageError(f"no generation {name!r} under {store.root}")
+    return name
 
 
 def latest_warnings(store: Store, latest: str | None) -> list[str]:
@@ -89,10 +87,7 @@ def latest_warnings(store: Store, latest: str | None) -> list[str]:
 
 
 def update_number(info: GenerationInfo) -> int | None:
-    if info.next_update is not None:
-        return info.next_update
-    match = _PENDING_RE.match(info.name)
-    return int(match.group(1)) if match else None
+    return info.next_update if info.next_update is not None else pending_update(info.name)
 
 
 def sorted_inventory(store: Store) -> list[GenerationInfo]:
@@ -113,7 +108,3 @@ def print_table(rows: list[list[str]]) -> None:
 
 def error(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr)
-
-
-# what quarantine() names an entry under ROOT/rejected/: <generation>-<UTC time>-<6 hex>
-QUARANTINED_ENTRY = re.compile(r"^(gen-\d{12})-\d{8}T\d{6}Z-[0-9a-f]{6}$")

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import StorageError, ValidationError
 from ..format.inventory import newest_committed
-from ..format.manifest import GLOBAL_STATE_FILE, Manifest
+from ..format.manifest import GLOBAL_STATE_FILE, Manifest, read_latest_name
 from ..format.signing import KEY_ENV, key_from_env
 from ..format.validate import list_generations, read_manifest, read_verified, validate
 from ..ops.retention import read_pins
@@ -28,7 +28,6 @@ from .common import (
     latest_warnings,
     open_root,
     open_root_tier,
-    read_latest,
     warn,
 )
 
@@ -139,7 +138,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     name = default_generation(store) if args.generation is None else \
         checked_generation(store, args.generation)
     manifest = read_manifest(store, name, key=key_from_env())  # ValidationError -> exit 1
-    latest = read_latest(store)
+    latest = read_latest_name(store)
     warnings = latest_warnings(store, latest)
     details, problem = inspect_details(tier, name, manifest, warnings)
     if args.json:

@@ -7,23 +7,29 @@ import argparse
 import json
 from typing import IO
 
-from ..errors import DistCkptError, UnsafeNameError
+from ..errors import DistCkptError
 from ..format.inventory import GenerationInfo, inspect_generation
-from ..format.manifest import LATEST_NAME, MANIFEST_NAME, check_generation_name, parse_generation
+from ..format.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    REASON_NAME,
+    REJECTED_DIR,
+    parse_generation,
+    read_latest_name,
+    rejected_generation,
+)
 from ..format.signing import key_from_env
 from ..format.validate import Problem
 from ..ops.retention import change_pin, read_pins
 from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier, open_tier
-from ..tiers.rejected import REASON_NAME, REJECTED_DIR
 from .common import (
-    QUARANTINED_ENTRY,
     Refused,
     UsageError,
     checked_generation,
     open_root,
     open_root_tier,
-    read_latest,
+    safe_generation_name,
 )
 from .inspection import verify_result
 
@@ -49,14 +55,6 @@ def cmd_pin(args: argparse.Namespace) -> int:
     else:
         print(f"{message}; {len(change.pins)} pinned generation(s) under {store.root}")
     return 0
-
-
-def safe_generation_name(name: str) -> str:
-    try:
-        check_generation_name(name)
-    except UnsafeNameError as exc:
-        raise UsageError(str(exc)) from exc
-    return name
 
 
 def pin_message(name: str, previous: str | None, label: str) -> str:
@@ -107,7 +105,7 @@ def refuse_quarantine(store: Store, name: str, info: GenerationInfo, pins: dict[
     validates (digests included: a damaged latest may go). Returns the damage found, if any."""
     if name in pins:
         raise Refused(f"{name} is pinned as {pins[name]}; unpin it or pass --force")
-    if info.state != "committed" or name != read_latest(store):
+    if info.state != "committed" or name != read_latest_name(store):
         return None
     result = verify_result(store, name, key)
     if result["ok"]:
@@ -167,14 +165,14 @@ def rm_target(store: Store, name: str) -> tuple[str, StoreReader, str]:
     if parse_generation(name) is not None:
         return checked_generation(store, name), store, name
     entry = name.removeprefix(f"{REJECTED_DIR}/")
-    match = QUARANTINED_ENTRY.match(entry)
-    if match is None:
+    generation = rejected_generation(entry)
+    if generation is None:
         raise UsageError(f"{name!r} is neither a generation name nor a quarantined entry "
                          f"({REJECTED_DIR}/gen-NNNNNNNNNNNN-<time>-<id>)")
     rel = f"{REJECTED_DIR}/{entry}"
     if not store.exists(f"{rel}/{MANIFEST_NAME}") and not store.exists(f"{rel}/{REASON_NAME}"):
         raise UsageError(f"no quarantined entry {entry!r} under {store.url(REJECTED_DIR)}")
-    return rel, QuarantinedCopy(store, rel, match.group(1)), match.group(1)
+    return rel, QuarantinedCopy(store, rel, generation), generation
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from .manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
-    MAX_POINTER_BYTES,
+    METADATA_FILE,
     PENDING_PREFIX,
     FileEntry,
     LatestPointer,
@@ -32,6 +32,7 @@ from .manifest import (
     check_generation_name,
     parse_generation,
     rank_state_file,
+    read_latest_pointer,
     regular_file_size,
 )
 from .signing import MAX_SIGNATURE_BYTES, SIGNATURE_NAME, verify
@@ -108,7 +109,7 @@ def check_structure(store: StoreReader, generation: str, *, key: bytes | None = 
         raise ValidationError(f"{generation}: {MANIFEST_NAME} says world_size={manifest.world_size} but "
                               f"lists {len(listed)} files: rank state files are missing",
                               generation=generation, path=MANIFEST_NAME)
-    required = {"dcp/.metadata", GLOBAL_STATE_FILE}
+    required = {METADATA_FILE, GLOBAL_STATE_FILE}
     required |= {rank_state_file(r) for r in range(manifest.world_size)}
     missing = sorted(required - listed)
     if missing:
@@ -189,12 +190,11 @@ def move_latest(store: Store, manifest: Manifest, raw: bytes) -> None:
     """Point ``latest.json`` at ``manifest``'s generation unless it already points newer.
     The only writer of the pointer, in every tier; call after the generation validated."""
     try:
-        regular_file_size(store, LATEST_NAME, limit=MAX_POINTER_BYTES)  # a FIFO would block
-        current: bytes | None = store.read_bytes(LATEST_NAME)
+        current: LatestPointer | None = read_latest_pointer(store)
     except (FileNotFoundError, StorageError, ValidationError):
-        current = None  # missing, or not a pointer file: replaced
-    if not LatestPointer.replaces(current, manifest):
-        return
+        current = None  # missing, unreadable or not a pointer: replaced
+    if current is not None and current.next_update > manifest.next_update:
+        return  # never back to an older generation
     pointer = LatestPointer.for_manifest(manifest, raw).model_dump_json().encode("utf-8")
     try:
         store.put_bytes(LATEST_NAME, pointer)

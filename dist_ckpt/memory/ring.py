@@ -47,16 +47,17 @@ from ..errors import ConfigError, DistCkptError, ValidationError
 from ..format.manifest import (
     COMMON_FILES,
     MANIFEST_NAME,
+    PENDING_PREFIX,
     Manifest,
     check_generation_name,
     generation_name,
     parse_generation,
+    pending_dir_name,
 )
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import check_entry, list_generations
 from ..protocol.comm import Comm
 from ..storage.local import file_digest, fsync_dir, write_durable
-from ..tiers.base import PENDING_PREFIX, pending_dir_name
 from .peer import PeerError, PeerFiles, fetch, push
 from .tier import MemoryTier, remove_newer
 

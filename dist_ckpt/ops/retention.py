@@ -48,8 +48,6 @@ def read_pins(store: Store) -> dict[str, str]:
     except ValidationError as exc:
         raise StorageError(f"{store.url(PINS_NAME)} is corrupt: {exc}") from exc
     try:
-        if len(raw) > max_bytes:
-            raise ValueError(f"{len(raw)} bytes, over the {max_bytes} byte bound")
         pins = json.loads(raw)["pins"]  # non-UTF-8 bytes: UnicodeDecodeError, a ValueError
         if not isinstance(pins, dict):
             raise TypeError(f"'pins' is a {type(pins).__name__}, not an object")

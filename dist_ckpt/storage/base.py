@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import IO, Any, Protocol
 
+from ..errors import UnsafeFileError
+
 
 class StoreReader(Protocol):
     root: str
@@ -64,7 +66,10 @@ def read_bounded(store: StoreReader, rel: str, limit: int) -> bytes:
     """A small file's bytes: only a regular file reached without a link (a FIFO would block
     the reader), at most ``limit`` bytes; raises as ``checked_size`` and ``read_bytes`` do."""
     store.checked_size(rel, limit=limit)
-    return store.read_bytes(rel)
+    raw = store.read_bytes(rel)
+    if len(raw) > limit:  # it grew after the check
+        raise UnsafeFileError(f"{len(raw)} bytes, over the {limit} byte bound")
+    return raw
 
 
 def is_remote(root: str) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import faults, logs
 from ..errors import GenerationExists, StorageError
-from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, pending_dir_name
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, check_structure, move_latest
 from ..storage import checksum
@@ -35,7 +35,6 @@ from .base import (
     GenerationReader,
     attempt_prefix,
     orphan_attempts,
-    pending_dir_name,
     register_tier,
     remove_own_files,
     remove_stale_pending,

@@ -17,7 +17,15 @@ import shutil
 from .. import faults, logs
 from ..digests import hasher
 from ..errors import GenerationExists
-from ..format.manifest import DCP_DIR, MANIFEST_NAME, STATE_DIR, FileEntry, Manifest, parse_generation
+from ..format.manifest import (
+    DCP_DIR,
+    MANIFEST_NAME,
+    STATE_DIR,
+    FileEntry,
+    Manifest,
+    parse_generation,
+    pending_dir_name,
+)
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_entry, check_sizes, move_latest
 from ..storage.base import is_remote
@@ -26,7 +34,6 @@ from ..storage.local import LocalStore, fsync_dir, write_durable
 from .base import (
     GenerationReader,
     LocalFilesReader,
-    pending_dir_name,
     register_tier,
     remove_own_files,
     remove_stale_pending,

@@ -70,6 +70,7 @@ from dist_ckpt.format.manifest import (
     check_relative_path,
     parse_generation,
     read_latest_name,
+    read_latest_pointer,
 )
 from dist_ckpt.format.signing import KEY_ENV, SIGNATURE_NAME, sign, verify
 from dist_ckpt.format.validate import list_generations, read_manifest, read_verified, validate
@@ -588,6 +589,12 @@ LATEST_CASES: dict[str, Callable[[Path, Path], None]] = {
     "latest-fifo": _latest_fifo,
     "latest-symlink": _latest_link,
 }
+# what the one reader of the pointer raises for each: callers tell the cases apart by type
+LATEST_ERRORS: dict[str, type[Exception]] = {
+    "latest-dotdot": UnsafeNameError, "latest-absolute": UnsafeNameError,
+    "latest-not-a-number": UnsafeNameError, "latest-oversized": UnsafeFileError,
+    "latest-deep-nesting": UnsafeFileError, "latest-fifo": UnsafeFileError,
+    "latest-symlink": UnsafeFileError}
 
 
 @pytest.mark.parametrize("name", list(LATEST_CASES))
@@ -599,6 +606,10 @@ def test_hostile_latest_pointer(name: str, template: Path, tmp_path: Path,
     backend = LocalStore(str(root))
     with FifoWatch(fifos_under(root)) as fifos:
         assert read_latest_name(backend) is None
+        with pytest.raises(LATEST_ERRORS.get(name, ValidationError)) as raised:
+            read_latest_pointer(backend)
+        assert LATEST_NAME in str(raised.value)
+        assert name in LATEST_ERRORS or type(raised.value) is ValidationError  # corrupt
         # the launcher reads the pointer for its log line and free-space estimate: same rule
         assert launch_runner._latest_update(str(root)) is None
         assert launch_runner._newest_generation_bytes(str(root)) is None
@@ -773,7 +784,11 @@ def test_fuzz_latest_pointer(raw: bytes) -> None:
         assert name is None
     else:
         assert name == pointer.generation and parse_generation(pointer.generation) == pointer.next_update
-    assert isinstance(LatestPointer.replaces(raw, VALID_MANIFEST), bool)
+    try:
+        read = read_latest_pointer(MemoryFiles({LATEST_NAME: raw})).generation
+    except ValidationError:  # corrupt, or naming no generation: the only errors bytes may cause
+        read = None
+    assert read == name
 
 
 @FUZZ
