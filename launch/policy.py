@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dist_ckpt.ops.done import check_done
-from dist_ckpt.storage.base import open_backend
+from dist_ckpt.storage.base import open_store
 
 DONE, FINISHED, STOPPED, PERMANENT, TRANSIENT = "done", "finished", "stopped", "permanent", "transient"
 STOPPED_EXIT = 128 + 15  # a worker that exits on the agent's SIGTERM
@@ -44,9 +44,9 @@ def done_verdict(run_root: str, reports: dict[int, dict[str, Any]],
     roots = {r.get("root") for r in reports.values() if r.get("root")} or {run_root}
     mirrors = {r.get("mirror") for r in reports.values() if r.get("mirror")} or {mirror}
     mirror_url = next(iter(mirrors))
-    mirror_backend = open_backend(mirror_url) if mirror_url else None
+    mirror_backend = open_store(mirror_url) if mirror_url else None
     for root in sorted(roots):
-        record, _ = check_done(open_backend(root), contract_digest=digest, mirror=mirror_backend)
+        record, _ = check_done(open_store(root), contract_digest=digest, mirror=mirror_backend)
         if record is not None:
             return Verdict(DONE, f"DONE: {record.generation}, {record.tokens_seen} tokens seen")
     return None

@@ -33,7 +33,7 @@ from dist_ckpt.format.manifest import (
 from dist_ckpt.memory import paths as shm
 from dist_ckpt.save.space import free_bytes
 from dist_ckpt.storage.base import read_bounded
-from dist_ckpt.storage.local import LocalBackend
+from dist_ckpt.storage.local import LocalStore
 
 from . import policy, records
 from .options import LaunchOptions
@@ -240,7 +240,7 @@ def _read_small(run_dir: str, rel: str, limit: int) -> bytes | None:
     """A small file of the run's root, or None: never a FIFO (it would block the launcher),
     never through a link, never over ``limit`` bytes."""
     try:
-        return read_bounded(LocalBackend(run_dir), rel, limit)
+        return read_bounded(LocalStore(run_dir), rel, limit)
     except (OSError, DistCkptError):
         return None
 

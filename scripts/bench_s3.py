@@ -31,14 +31,14 @@ from bench import jobs  # noqa: E402
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
 from dist_ckpt.format.validate import read_manifest
-from dist_ckpt.storage.local import LocalBackend
-from dist_ckpt.storage.objectstore import ObjectStoreBackend
+from dist_ckpt.storage.local import LocalStore
+from dist_ckpt.storage.objectstore import ObjectStore
 from dist_ckpt.tiers.objectstore import upload_files
 
 CONCURRENCY = 4  # the tier's default uploads in flight per rank
 
 
-def generation_files(backend: ObjectStoreBackend, name: str) -> list[tuple[str, int]]:
+def generation_files(backend: ObjectStore, name: str) -> list[tuple[str, int]]:
     return [(p, int(backend.fs.info(p)["size"])) for p in backend.fs.find(f"{backend.base}/{name}")]
 
 
@@ -61,9 +61,9 @@ def measure_upload(root: str, scratch: str, state_mib: int, repeats: int) -> dic
         mgr.save(1)
     name = "gen-000000000001"
     gen_dir = os.path.join(local_root, name)
-    entries = [f.model_dump(exclude_none=True) for f in read_manifest(LocalBackend(local_root), name).files]
-    stores = {"checksum": ObjectStoreBackend(root, checksums=True),
-              "readback": ObjectStoreBackend(root, checksums=False)}
+    entries = [f.model_dump(exclude_none=True) for f in read_manifest(LocalStore(local_root), name).files]
+    stores = {"checksum": ObjectStore(root, checksums=True),
+              "readback": ObjectStore(root, checksums=False)}
     plain_fs = stores["readback"].fs
 
     def plain(prefix: str) -> None:
@@ -91,7 +91,7 @@ def measure_save(root: str, scratch: str, state_mib: int, repeats: int) -> dict:
     ours, plain = [], []
     with CheckpointManager(CheckpointConfig(root=root, cache_dir=scratch, keep_last=2),
                            make_state(state_mib)) as mgr:
-        backend = ObjectStoreBackend(root)
+        backend = ObjectStore(root)
         for update in range(1, repeats + 1):
             ours.append(timed(lambda: mgr.save(update)))  # noqa: B023 - called at once
             files = generation_files(backend, f"gen-{update:012d}")

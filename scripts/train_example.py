@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ResumableSampler, TrainState
 from dist_ckpt.format.manifest import MANIFEST_NAME, generation_name
-from dist_ckpt.storage.base import open_backend
+from dist_ckpt.storage.base import open_store
 
 NUM_SAMPLES = 4096
 
@@ -109,7 +109,7 @@ def wait_until_mirrored(config: CheckpointConfig, update: int | None, timeout_s:
     """Poll the mirror (bounded) until generation ``update`` is committed there."""
     if config.mirror is None or update is None:
         return
-    mirror = open_backend(config.mirror, config.storage_options)
+    mirror = open_store(config.mirror, config.storage_options)
     deadline = time.monotonic() + timeout_s
     while not mirror.exists(f"{generation_name(update)}/{MANIFEST_NAME}"):
         if time.monotonic() > deadline:

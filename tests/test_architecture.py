@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"cli", "launcher_api", "__init__"},
 ]
 # names that only the tier and storage implementations may use: deciding by the kind of root
-KIND_NAMES = {"is_remote", "ObjectStoreBackend", "LocalBackend", "ObjectStoreTier", "RenameTier"}
+KIND_NAMES = {"is_remote", "ObjectStore", "LocalStore", "ObjectStoreTier", "RenameTier"}
 KIND_OWNERS = {"tiers", "storage", "config", "memory"}  # config: validates the shape of the URLs it is given
 
 

@@ -11,10 +11,12 @@ import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ResumableSampler, __version__
 from dist_ckpt.cli.app import FOOTNOTE, main
+from dist_ckpt.format.inventory import is_committed
+from dist_ckpt.format.manifest import MANIFEST_NAME, REASON_NAME, REJECTED_DIR
 from dist_ckpt.format.validate import Problem
 from dist_ckpt.ops.retention import change_pin, read_pins, set_pin
-from dist_ckpt.storage.local import LocalBackend
-from dist_ckpt.tiers.rejected import REASON_NAME, REJECTED_DIR, move_aside
+from dist_ckpt.storage.local import LocalStore
+from dist_ckpt.tiers.rejected import move_aside
 from tests.helpers.local_jobs import make_state, step, two_generations
 
 GEN1 = "gen-000000000001"
@@ -35,6 +37,16 @@ def root(template: Path, tmp_path: Path) -> Path:
     dest = tmp_path / "ckpt"
     shutil.copytree(template, dest)
     return dest
+
+
+def test_is_committed(root: Path) -> None:
+    """The one answer to "is G committed here?": manifest, structure and sizes (no digests)."""
+    store = LocalStore(str(root))
+    assert is_committed(store, GEN1) and is_committed(store, GEN2)
+    assert not is_committed(store, "gen-000000000003")
+    (root / GEN2 / SHARD).write_bytes(b"x")  # the wrong size
+    (root / GEN1 / MANIFEST_NAME).unlink()
+    assert not is_committed(store, GEN2) and not is_committed(store, GEN1)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +145,7 @@ def test_quarantine_refuses_pinned_unless_forced(root: Path, capsys: pytest.Capt
     assert code == 1 and "pinned as best" in err and (root / GEN1).is_dir()
     code, out, _ = run(capsys, "quarantine", str(root), GEN1, "--force")
     assert code == 0 and f"unpinned {GEN1} (was best)" in out
-    assert read_pins(LocalBackend(str(root))) == {} and not (root / GEN1).exists()
+    assert read_pins(LocalStore(str(root))) == {} and not (root / GEN1).exists()
 
 
 def test_quarantine_takes_a_damaged_latest_without_force(root: Path,
@@ -185,7 +197,7 @@ def test_rm_unpins_what_it_deletes(root: Path, capsys: pytest.CaptureFixture[str
     code, out, _ = run(capsys, "rm", str(root), GEN2, "--invalid-only", "--json")
     result = json.loads(out)
     assert code == 0 and result["deleted"] == GEN2 and result["unpinned"] == "pinned"
-    assert read_pins(LocalBackend(str(root))) == {}
+    assert read_pins(LocalStore(str(root))) == {}
 
 
 def test_rm_quarantined_entries(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -239,7 +251,7 @@ def test_pin_refuses_invalid_generations(root: Path, capsys: pytest.CaptureFixtu
     (root / "gen-000000000003").mkdir()  # never committed: no manifest
     code, _, err = run(capsys, "pin", str(root), "gen-000000000003")
     assert code == 1 and "never committed" in err
-    assert read_pins(LocalBackend(str(root))) == {}
+    assert read_pins(LocalStore(str(root))) == {}
 
 
 def test_unpin_of_unpinned_generation(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -262,7 +274,7 @@ def test_repin_with_another_label(root: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_retention_pin_functions(root: Path) -> None:
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     assert set_pin(backend, GEN1, "best") == {GEN1: "best"}  # CheckpointManager.pin's contract
     change = change_pin(backend, GEN1, "final")
     assert (change.pins, change.previous) == ({GEN1: "final"}, "best")

@@ -164,9 +164,9 @@ def _upload(local_gen: Path, backend: object, name: str) -> None:
 
 
 def test_object_store_against_local(base: Path, s3_root: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from dist_ckpt.storage.base import open_backend
+    from dist_ckpt.storage.base import open_store
 
-    backend = open_backend(s3_root)
+    backend = open_store(s3_root)
     _upload(base / "extra_batch" / GEN4, backend, GEN4)
     report = diff(str(base / "full"), s3_root)  # through the verified object reader
     assert report.first is not None and report.first.component == "data"

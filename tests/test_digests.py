@@ -96,12 +96,12 @@ def test_restore_reads_and_hashes_each_shard_once_in_the_load(tmp_path, monkeypa
     """Selection hashes the small files only; the load maps each shard once, hashes it there,
     and DCP deserialises from that same mapping."""
     from dist_ckpt.restore import onepass
-    from dist_ckpt.storage.local import LocalBackend
+    from dist_ckpt.storage.local import LocalStore
 
     root = str(tmp_path)
     saved = two_generations(root)
     selection_hashed: list[str] = []
-    original_digest = LocalBackend.digest
+    original_digest = LocalStore.digest
 
     def spy_digest(self, rel: str, algorithm: str) -> str:
         selection_hashed.append(rel)
@@ -121,7 +121,7 @@ def test_restore_reads_and_hashes_each_shard_once_in_the_load(tmp_path, monkeypa
         hashed.append(self.hashed_bytes)
         original_close(self)
 
-    monkeypatch.setattr(LocalBackend, "digest", spy_digest)
+    monkeypatch.setattr(LocalStore, "digest", spy_digest)
     monkeypatch.setattr(onepass.OnePassReader, "_fetch", spy_fetch)
     monkeypatch.setattr(onepass.OnePassReader, "close", spy_close)
     generation, tensors = restored_tensors(root)

@@ -19,7 +19,7 @@ from dist_ckpt.cli.app import main as cli
 from dist_ckpt.ops.done import check_done
 from dist_ckpt.restart.contract import digest
 from dist_ckpt.runinfo import LAUNCH_DIR_ENV, read_reports
-from dist_ckpt.storage.local import LocalBackend
+from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import run_ranks
 from tests.helpers.local_jobs import make_state, step, two_generations
 
@@ -43,9 +43,9 @@ def test_finish_writes_a_done_bound_to_the_contract(tmp_path) -> None:
     done = json.load(open(tmp_path / "DONE.json"))
     assert done["generation"] == "gen-000000000003" and done["tokens_seen"] == 30
     contract = make_state().contract
-    record, why = check_done(LocalBackend(root), contract_digest=digest(contract))
+    record, why = check_done(LocalStore(root), contract_digest=digest(contract))
     assert record is not None and why == ""
-    record, why = check_done(LocalBackend(root), contract_digest=digest({"config": "v2"}))
+    record, why = check_done(LocalStore(root), contract_digest=digest({"config": "v2"}))
     assert record is None and "stale" in why
     # a restart after the final save finds it committed and writes DONE again, no GenerationExists
     os.unlink(tmp_path / "DONE.json")
@@ -58,7 +58,7 @@ def test_done_is_not_accepted_once_its_generation_is_damaged(tmp_path) -> None:
     train_and_finish(root, 2)
     shard = tmp_path / "gen-000000000002" / "state" / "train_state.json"
     shard.write_bytes(shard.read_bytes()[:-3])
-    record, why = check_done(LocalBackend(root), contract_digest=digest(make_state().contract))
+    record, why = check_done(LocalStore(root), contract_digest=digest(make_state().contract))
     assert record is None and "incomplete" in why and "train_state.json" in why
 
 

@@ -16,7 +16,7 @@ import torch
 
 from dist_ckpt.format.validate import list_generations
 from dist_ckpt.memory import paths as shm
-from dist_ckpt.storage.local import LocalBackend
+from dist_ckpt.storage.local import LocalStore
 from tests.helpers import launchlib
 from tests.helpers.launchlib import launch, run_dir
 
@@ -41,7 +41,7 @@ def test_sigkilled_worker_resumes_from_memory_bitwise(tmp_path) -> None:
     assert second["classification"] == "done"
     assert (second["resumed_from"], second["resumed_tier"]) == ("gen-000000000005", "memory")
     assert "resumed from gen-000000000005 (memory tier)" in crashed.output
-    assert list_generations(LocalBackend(run_dir(root))) == ["gen-000000000012"]
+    assert list_generations(LocalStore(run_dir(root))) == ["gen-000000000012"]
     assert json.load(open(os.path.join(run_dir(root), "DONE.json")))["generation"] == "gen-000000000012"
     expected = torch.load(tmp_path / "reference.pt", weights_only=True)
     final = torch.load(tmp_path / "final.pt", weights_only=True)

@@ -18,7 +18,7 @@ import torch
 from dist_ckpt.format.manifest import MANIFEST_NAME, parse_generation
 from dist_ckpt.format.validate import list_generations
 from dist_ckpt.memory import paths as shm
-from dist_ckpt.storage.local import LocalBackend
+from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import free_port
 from tests.helpers import launchlib
 from tests.helpers.launchlib import read_log, run_dir
@@ -96,7 +96,7 @@ def test_lost_node_resumes_from_its_peers_replica(tmp_path) -> None:
     # at worst one generation before the newest node 1 was seen holding: its replica may
     # still have been on the way when it died, and node 0 kept its own copy of the one before
     assert parse_generation(generation) >= lost_at - 1, (generation, lost_at)
-    assert list_generations(LocalBackend(run_dir(root))) == [f"gen-{UPDATES:012d}"]
+    assert list_generations(LocalStore(run_dir(root))) == [f"gen-{UPDATES:012d}"]
     expected = torch.load(tmp_path / "reference.pt", weights_only=True)
     got = torch.load(final, weights_only=True)
     assert expected.keys() == got.keys() and len(got) > 4

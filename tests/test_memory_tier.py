@@ -14,7 +14,7 @@ from dist_ckpt import CheckpointConfig, ConfigError
 from dist_ckpt.format.manifest import MANIFEST_NAME
 from dist_ckpt.format.validate import list_generations
 from dist_ckpt.memory import paths as shm
-from dist_ckpt.storage.local import LocalBackend
+from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import run_ranks
 from tests.helpers import memory_jobs
 
@@ -23,7 +23,7 @@ RUN = "t0001"
 
 
 def generations(path: str) -> list[str]:
-    return sorted(list_generations(LocalBackend(path)))
+    return sorted(list_generations(LocalStore(path)))
 
 
 def committed(path: str) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 from dist_ckpt import CheckpointConfig, CheckpointManager, DistCkptError
 from dist_ckpt.format.validate import read_manifest
 from dist_ckpt.storage import checksum
-from dist_ckpt.storage.objectstore import ObjectStoreBackend
+from dist_ckpt.storage.objectstore import ObjectStore
 from tests.helpers.local_jobs import make_state, step
 from tests.helpers.mirror_runs import remote_states
 from tests.helpers.s3 import new_bucket
@@ -68,7 +68,7 @@ def uploads(proxy: ProxyState) -> list[str]:
 def test_upload_verification_commits_and_restores(root: str, proxy: ProxyState, mode: str) -> None:
     saved = save(root, (1, 2), upload_verification=mode)
     put = uploads(proxy)
-    manifest = read_manifest(ObjectStoreBackend(root), GEN2)
+    manifest = read_manifest(ObjectStore(root), GEN2)
     assert len([p for p in put if f"/{GEN2}/" in p]) == len(manifest.files)
     if mode == "checksum":
         assert proxy.object_gets("/attempt-") == []  # no object was downloaded again
@@ -102,7 +102,7 @@ def test_body_damaged_in_flight_fails_the_save_and_commits_nothing(root: str, pr
     assert "StorageError" in message and "did not match the calculated checksum" in message
     assert len(proxy.rejected) == 1
     assert remote_states(root).get(GEN2) != "committed"
-    backend = ObjectStoreBackend(root)
+    backend = ObjectStore(root)
     assert not backend.exists(f"{GEN2}/manifest.json")
     restored(root, saved, GEN1)
 
@@ -137,7 +137,7 @@ def _big_file(tmp_path, size: int) -> tuple[str, bytes]:
 def test_multipart_upload_sends_part_checksums(root: str, proxy: ProxyState, tmp_path,
                                                algorithm: str) -> None:
     local, data = _big_file(tmp_path, 12 << 20)
-    backend = ObjectStoreBackend(root)
+    backend = ObjectStore(root)
     backend.part_size, backend.parts_in_flight, backend.checksum_algorithm = 5 << 20, 2, algorithm
     sent = backend.put_file_checksummed(local, "big.bin")
     assert sent.endswith("-3")  # three parts: the composite checksum S3 reports
@@ -151,7 +151,7 @@ def test_multipart_upload_sends_part_checksums(root: str, proxy: ProxyState, tmp
 
 def test_damaged_part_aborts_the_multipart_upload(root: str, proxy: ProxyState, tmp_path) -> None:
     local, _ = _big_file(tmp_path, 12 << 20)
-    backend = ObjectStoreBackend(root, NO_RETRY)
+    backend = ObjectStore(root, NO_RETRY)
     backend.part_size = 5 << 20
     proxy.corrupt_next, proxy.corrupt_match = 1, "partNumber=2"
     with pytest.raises(OSError, match="did not match"):
@@ -178,7 +178,7 @@ def test_proxy_checks_aws_chunked_trailers(root: str, proxy: ProxyState, damaged
     value = base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
     body = f"{len(data):x}\r\n".encode() + data + f"\r\n0\r\nx-amz-checksum-crc32c:{value}\r\n\r\n".encode()
     proxy.corrupt_next = int(damaged)
-    backend = ObjectStoreBackend(root)
+    backend = ObjectStore(root)
     url = urlsplit(os.environ["AWS_ENDPOINT_URL"])
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
     try:

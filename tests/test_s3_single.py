@@ -6,7 +6,7 @@ import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
 from dist_ckpt.cli.app import main as cli
-from dist_ckpt.storage.objectstore import ObjectStoreBackend
+from dist_ckpt.storage.objectstore import ObjectStore
 from tests.helpers.local_jobs import make_state, step
 
 
@@ -36,7 +36,7 @@ def test_pruner_removes_leftovers_of_failed_uploads_only(s3_root: str) -> None:
         for update in (1, 4):
             step(state)
             mgr.save(update)
-    backend = ObjectStoreBackend(s3_root)
+    backend = ObjectStore(s3_root)
     backend.put_bytes("gen-000000000003/attempt-dead/dcp/__0_0.distcp", b"partial")  # crashed upload
     backend.put_bytes("gen-000000000004/attempt-lost/dcp/__0_0.distcp", b"loser")  # orphan attempt
     backend.put_bytes("gen-000000000009/attempt-live/dcp/__0_0.distcp", b"in flight")  # newer: kept

@@ -1,20 +1,38 @@
-"""Small unit tests: codec, sampler, retention policy, shard hashing, config errors."""
+"""Small unit tests: codec, sampler, retention policy, shard hashing, config errors, root names,
+the latest pointer's reader, DCP failure unwrapping."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 
 from dist_ckpt import CheckpointConfig, ConfigError, ResumableSampler, UnsafeNameError
 from dist_ckpt.digests import digest_bytes
-from dist_ckpt.format.manifest import check_generation_name, check_relative_path, generation_name
+from dist_ckpt.errors import StorageError, ValidationError
+from dist_ckpt.format.manifest import (
+    LATEST_NAME,
+    check_generation_name,
+    check_relative_path,
+    generation_name,
+    pending_dir_name,
+    pending_update,
+    read_latest_name,
+    read_latest_pointer,
+    rejected_entry_name,
+    rejected_generation,
+)
 from dist_ckpt.ops.retention import to_drop
 from dist_ckpt.restart import codec
+from dist_ckpt.restore.loader import load_in_process, verification_failures
 from dist_ckpt.save.shardio import hashing_writer
-from dist_ckpt.storage.local import file_digest
+from dist_ckpt.storage.local import LocalStore, atomic_write, file_digest
 
 
 def test_codec_round_trip_without_pickle() -> None:
@@ -57,6 +75,62 @@ def test_unsafe_generation_names(name: str) -> None:
 def test_unsafe_file_names(path: str) -> None:
     with pytest.raises(UnsafeNameError):
         check_relative_path(path)
+
+
+def test_root_names_are_built_and_parsed_in_one_module() -> None:
+    pending = pending_dir_name(generation_name(30), "abcd1234")
+    assert pending == ".pending-gen-000000000030-abcd1234" and pending_update(pending) == 30
+    for name in (generation_name(30), ".pending-gen-00000000003x-ab", ".pending-gen-0000000000300-ab",
+                 ".pending-gen-000000000030\n", ".pending-gen-\u0663\u0663"):
+        assert pending_update(name) is None, name
+    entry = rejected_entry_name(generation_name(2))
+    assert rejected_generation(entry) == generation_name(2) != rejected_generation(f"{entry}\n")
+    for other in (generation_name(2), f"../{entry}", f"{entry}-x", pending):
+        assert rejected_generation(other) is None, other
+
+
+class _Unreadable(LocalStore):
+    def read_bytes(self, rel: str) -> bytes:
+        raise PermissionError(13, "Permission denied", rel)
+
+
+def test_latest_pointer_missing_or_unreadable(tmp_path) -> None:
+    """The cases the one reader of the pointer tells apart that need no generation (the
+    hostile ones: tests/faults/test_hostile.py)."""
+    with pytest.raises(FileNotFoundError):
+        read_latest_pointer(LocalStore(str(tmp_path)))
+    atomic_write(str(tmp_path / LATEST_NAME), b"{}")
+    with pytest.raises(StorageError, match=f"cannot read .*{LATEST_NAME}: .*Permission denied"):
+        read_latest_pointer(_Unreadable(str(tmp_path)))
+    with pytest.raises(ValidationError, match=f"{LATEST_NAME} is corrupt: generation: Field required"):
+        read_latest_pointer(LocalStore(str(tmp_path)))
+    assert read_latest_name(_Unreadable(str(tmp_path))) is None
+    assert os.listdir(tmp_path) == [LATEST_NAME]  # the atomic write left no temporary file
+
+
+def _raising(failure: BaseException) -> Callable[..., None]:
+    def load(*args: object, **kwargs: object) -> None:
+        raise failure
+    return load
+
+
+def test_dcp_verification_failures_are_unwrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    ours, mine, other = ValidationError("bad shard", path="dcp/x"), ValidationError("mine"), RuntimeError("x")
+    wrapped = CheckpointException("read", {0: (other, None), 1: (ours, None)})  # type: ignore[dict-item]
+    assert verification_failures(wrapped, []) == {1: ours}
+    assert verification_failures(wrapped, [mine], rank=0) == {0: mine, 1: ours}
+    assert verification_failures(wrapped, [mine], rank=1) == {1: ours}  # DCP's word first
+    assert verification_failures(other, []) == {}
+    reader = SimpleNamespace(storage_reader=None, errors=[])
+    monkeypatch.setattr(dcp, "load", _raising(wrapped))
+    with pytest.raises(ValidationError) as raised:
+        load_in_process({}, reader)  # type: ignore[arg-type]
+    assert raised.value is ours and raised.value.__cause__ is wrapped
+    unrelated = CheckpointException("read", {0: (other, None)})  # type: ignore[dict-item]
+    monkeypatch.setattr(dcp, "load", _raising(unrelated))
+    with pytest.raises(CheckpointException) as raised_other:
+        load_in_process({}, reader)  # type: ignore[arg-type]
+    assert raised_other.value is unrelated  # not a verification failure: as DCP raised it
 
 
 @pytest.mark.parametrize("algorithm", ["blake3", "sha256"])

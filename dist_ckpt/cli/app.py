@@ -18,16 +18,21 @@ from typing import Any
 from .. import progress
 from ..errors import DistCkptError, StorageError, ValidationError
 from ..format.inventory import GenerationInfo, inventory
-from ..format.manifest import LATEST_NAME, parse_generation
+from ..format.manifest import (
+    LATEST_NAME,
+    REASON_NAME,
+    REJECTED_DIR,
+    parse_generation,
+    read_latest_name,
+    rejected_generation,
+)
 from ..format.signing import key_from_env
 from ..ops.retention import prune, read_pins
 from ..save.replay import read_mirror_state
 from ..storage.base import StoreReader, open_store
-from ..tiers.rejected import REASON_NAME, REJECTED_DIR
 from ..version import __version__
 from .common import (
     PROG,
-    QUARANTINED_ENTRY,
     Refused,
     UsageError,
     error,
@@ -36,7 +41,6 @@ from .common import (
     open_root,
     open_root_tier,
     print_table,
-    read_latest,
     sorted_inventory,
     update_number,
     warn,
@@ -58,58 +62,58 @@ def ls_record(info: GenerationInfo, latest: str | None, pins: dict[str, str]) ->
             "pin": pins.get(info.name), "reason": info.reason, "path": info.path}
 
 
-def quarantined_records(backend: StoreReader) -> list[dict[str, Any]]:
+def quarantined_records(store: StoreReader) -> list[dict[str, Any]]:
     """Entries under ``ROOT/rejected/`` (tiers that keep rejected generations), newest update
     number first."""
     try:
-        entries = backend.listdir(REJECTED_DIR) if backend.exists(REJECTED_DIR) else []
+        entries = store.listdir(REJECTED_DIR) if store.exists(REJECTED_DIR) else []
     except (StorageError, OSError):
         entries = []
     records = []
     for entry in sorted(entries, reverse=True):  # same generation: newest move first
-        match = QUARANTINED_ENTRY.match(entry)
+        generation = rejected_generation(entry)
         rel = f"{REJECTED_DIR}/{entry}"
-        if match is None or not _is_directory(backend, rel):
+        if generation is None or not _is_directory(store, rel):
             continue
-        records.append({"name": entry, "generation": match.group(1),
-                        "next_update": parse_generation(match.group(1)), "state": "quarantined",
-                        "total_bytes": backend.tree_size(rel), "latest": False,
-                        "pin": None, "reason": first_reason_line(backend, rel), "path": rel})
+        records.append({"name": entry, "generation": generation,
+                        "next_update": parse_generation(generation), "state": "quarantined",
+                        "total_bytes": store.tree_size(rel), "latest": False,
+                        "pin": None, "reason": first_reason_line(store, rel), "path": rel})
     return sorted(records, key=lambda rec: rec["next_update"], reverse=True)
 
 
-def _is_directory(backend: StoreReader, rel: str) -> bool:
+def _is_directory(store: StoreReader, rel: str) -> bool:
     try:
-        backend.listdir(rel)
+        store.listdir(rel)
     except (StorageError, OSError):
         return False
     return True
 
 
-def first_reason_line(backend: StoreReader, entry: str) -> str:
+def first_reason_line(store: StoreReader, entry: str) -> str:
     try:
-        text = backend.read_bytes(f"{entry}/{REASON_NAME}")[:1000].decode("utf-8", errors="replace")
+        text = store.read_bytes(f"{entry}/{REASON_NAME}")[:1000].decode("utf-8", errors="replace")
     except (FileNotFoundError, StorageError, OSError):
         return f"(no {REASON_NAME})"
     return text.splitlines()[0].strip() if text.strip() else "(empty reason)"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    backend = open_root(args.root)
-    latest = read_latest(backend)
-    pins = read_pins(backend)
-    records = [ls_record(info, latest, pins) for info in sorted_inventory(backend)]
-    quarantined = quarantined_records(backend)
-    mirror = mirror_status(backend, records)
-    warnings = latest_warnings(backend, latest)
+    store = open_root(args.root)
+    latest = read_latest_name(store)
+    pins = read_pins(store)
+    records = [ls_record(info, latest, pins) for info in sorted_inventory(store)]
+    quarantined = quarantined_records(store)
+    mirror = mirror_status(store, records)
+    warnings = latest_warnings(store, latest)
     if args.json:
-        print(json.dumps({"root": backend.root, "latest": latest, "generations": records,
+        print(json.dumps({"root": store.root, "latest": latest, "generations": records,
                           "quarantined": quarantined, "mirror": mirror, "warnings": warnings}, indent=1))
         return 0
     for message in warnings:
         warn(message)
     if not records and not quarantined:
-        print(f"no generations under {backend.root}")
+        print(f"no generations under {store.root}")
         return 0
     print_ls_table(records, quarantined, pins, mirror)
     if mirror:
@@ -139,9 +143,9 @@ def print_ls_table(records: list[dict], quarantined: list[dict], pins: dict[str,
     print_table(rows)
 
 
-def mirror_status(backend: StoreReader, records: list[dict]) -> dict | None:
+def mirror_status(store: StoreReader, records: list[dict]) -> dict | None:
     """For a root with a mirror: mark each record mirrored / local-only (skipped)."""
-    state = read_mirror_state(backend)
+    state = read_mirror_state(store)
     if not state.get("mirror"):
         return None
     try:

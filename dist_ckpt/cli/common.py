@@ -3,14 +3,13 @@ opening a root."""
 
 from __future__ import annotations
 
-import re
 import sys
 
 from ..errors import StorageError, UnsafeNameError
 from ..format.inventory import GenerationInfo, inventory
-from ..format.manifest import LATEST_NAME, PENDING_PREFIX, check_generation_name, read_latest_name
+from ..format.manifest import LATEST_NAME, check_generation_name, pending_update
 from ..format.signing import key_from_env
-from ..storage.base import Backend
+from ..storage.base import Store
 from ..tiers import CommitTier, open_tier
 
 PROG = "dist-ckpt"
@@ -41,7 +40,7 @@ def human_bytes(size: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def open_root(root: str) -> Backend:
+def open_root(root: str) -> Store:
     """Open ``root`` and check it is a readable directory."""
     return open_root_tier(root).store
 
@@ -50,58 +49,54 @@ def open_root_tier(root: str) -> CommitTier:
     """The commit tier at ``root``, checked to be a readable directory."""
     try:
         tier = open_tier(root)
-        backend = tier.store
-        found = backend.exists("")
+        store = tier.store
+        found = store.exists("")
     except (StorageError, OSError, ValueError) as exc:
         raise UsageError(f"cannot open checkpoint root {root!r}: {exc}") from exc
     if not found:
         raise UsageError(f"checkpoint root {root!r} does not exist")
     try:
-        backend.listdir("")
+        store.listdir("")
     except (StorageError, OSError) as exc:
         raise UsageError(f"checkpoint root {root!r} is not a readable directory: {exc}") from exc
     return tier
 
 
-_PENDING_RE = re.compile(rf"^{re.escape(PENDING_PREFIX)}gen-(\d{{12}})(?:-|$)")
-
-
-def checked_generation(backend: Backend, name: str) -> str:
-    """Reject unsafe or malformed names and generations that do not exist (exit 2)."""
+def safe_generation_name(name: str) -> str:
+    """Reject unsafe or malformed generation names (exit 2)."""
     try:
         check_generation_name(name)
     except UnsafeNameError as exc:
         raise UsageError(str(exc)) from exc
-    if not backend.exists(name):
-        raise UsageError(f"no generation {name!r} under {backend.root}")
     return name
 
 
-read_latest = read_latest_name  # the CLI's name for it
+def checked_generation(store: Store, name: str) -> str:
+    """Reject unsafe or malformed names and generations that do not exist (exit 2)."""
+    if not store.exists(safe_generation_name(name)):
+        raise UsageError(f"no generation {name!r} under {store.root}")
+    return name
 
 
-def latest_warnings(backend: Backend, latest: str | None) -> list[str]:
+def latest_warnings(store: Store, latest: str | None) -> list[str]:
     """A pointer at a generation that is gone (pruned or moved aside by hand) is worth a word:
     restore never follows it, but scripts that read ``latest.json`` do."""
-    if latest is None or backend.exists(latest):
+    if latest is None or store.exists(latest):
         return []
-    return [f"{LATEST_NAME} points to {latest}, which does not exist under {backend.root}"]
+    return [f"{LATEST_NAME} points to {latest}, which does not exist under {store.root}"]
 
 
 def update_number(info: GenerationInfo) -> int | None:
-    if info.next_update is not None:
-        return info.next_update
-    match = _PENDING_RE.match(info.name)
-    return int(match.group(1)) if match else None
+    return info.next_update if info.next_update is not None else pending_update(info.name)
 
 
-def sorted_inventory(backend: Backend) -> list[GenerationInfo]:
+def sorted_inventory(store: Store) -> list[GenerationInfo]:
     """All generations and pending directories, newest update number first."""
     def key(info: GenerationInfo) -> int:
         number = update_number(info)
         return -1 if number is None else number
 
-    return sorted(inventory(backend, digests=False, key=key_from_env()), key=key, reverse=True)
+    return sorted(inventory(store, digests=False, key=key_from_env()), key=key, reverse=True)
 
 
 def print_table(rows: list[list[str]]) -> None:
@@ -113,7 +108,3 @@ def print_table(rows: list[list[str]]) -> None:
 
 def error(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr)
-
-
-# what quarantine() names an entry under ROOT/rejected/: <generation>-<UTC time>-<6 hex>
-QUARANTINED_ENTRY = re.compile(r"^(gen-\d{12})-\d{8}T\d{6}Z-[0-9a-f]{6}$")

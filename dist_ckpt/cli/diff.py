@@ -55,13 +55,13 @@ def resolve(spec: str, key: bytes | None) -> Generation:
     """What A or B names; a missing root or generation is a usage error (exit 2)."""
     root, name = split_spec(spec)
     tier = open_root_tier(root)
-    backend = tier.store
+    store = tier.store
     if name is None:
-        name = newest_committed(backend, key)
+        name = newest_committed(store, key)
         if name is None:
-            raise UsageError(f"no committed generation under {backend.root}")
+            raise UsageError(f"no committed generation under {store.root}")
     else:
-        checked_generation(backend, name)
+        checked_generation(store, name)
     return open_generation(tier, name, key=key)  # a broken generation: ValidationError, exit 1
 
 

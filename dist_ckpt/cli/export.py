@@ -38,9 +38,9 @@ def size_arg(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    backend = open_root(args.root)
+    store = open_root(args.root)
     if args.generation is not None:
-        checked_generation(backend, args.generation)
+        checked_generation(store, args.generation)
     try:
         info = export_generation(args.root, args.out, args.generation, dtype=args.dtype,
                                  max_shard_bytes=args.max_shard_size, key=key_from_env())

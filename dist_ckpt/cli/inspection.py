@@ -11,13 +11,13 @@ from typing import Any
 
 from ..errors import StorageError, ValidationError
 from ..format.inventory import newest_committed
-from ..format.manifest import GLOBAL_STATE_FILE, Manifest
+from ..format.manifest import GLOBAL_STATE_FILE, Manifest, read_latest_name
 from ..format.signing import KEY_ENV, key_from_env
 from ..format.validate import list_generations, read_manifest, read_verified, validate
 from ..ops.retention import read_pins
 from ..restart import codec
 from ..save.replay import read_mirror_state
-from ..storage.base import Backend
+from ..storage.base import Store
 from ..tiers import CommitTier
 from .common import (
     PROG,
@@ -28,18 +28,17 @@ from .common import (
     latest_warnings,
     open_root,
     open_root_tier,
-    read_latest,
     warn,
 )
 
 
-def default_generation(backend: Backend) -> str:
+def default_generation(store: Store) -> str:
     """What ``inspect`` and ``verify`` look at without GEN: the newest committed generation
     (structure and sizes check out), or the newest of any state when none is committed."""
-    names = list_generations(backend)
+    names = list_generations(store)
     if not names:
-        raise UsageError(f"no generation under {backend.root}")
-    name = newest_committed(backend, key_from_env())
+        raise UsageError(f"no generation under {store.root}")
+    name = newest_committed(store, key_from_env())
     if name is None:
         return names[0]
     if name != names[0]:  # say so: an exit 0 must not hide that something newer is broken
@@ -71,9 +70,9 @@ def manifest_summary(manifest: Manifest, latest: str | None) -> list[tuple[str, 
     ]
 
 
-def saved_state(backend: Backend, name: str, manifest: Manifest) -> dict[str, Any]:
+def saved_state(store: Store, name: str, manifest: Manifest) -> dict[str, Any]:
     """The data position (sampler state) and the extras' keys from ``state/train_state.json``."""
-    raw = read_verified(backend, name, manifest, GLOBAL_STATE_FILE)
+    raw = read_verified(store, name, manifest, GLOBAL_STATE_FILE)
     state = codec.loads(raw, what=f"{name}/{GLOBAL_STATE_FILE}")
     extras = state.get("extras") if isinstance(state, dict) else None
     if not isinstance(state, dict) or not isinstance(extras, dict | None):
@@ -110,14 +109,14 @@ def tier_text(tier: dict[str, Any]) -> str:
 def inspect_details(tier: CommitTier, name: str, manifest: Manifest,
                     warnings: list[str]) -> tuple[dict[str, Any], str | None]:
     """What inspect adds to the manifest; the second item is why the state file is unusable."""
-    backend = tier.store
+    store = tier.store
     problem = None
     try:
-        details = saved_state(backend, name, manifest)
+        details = saved_state(store, name, manifest)
     except (ValidationError, OSError) as exc:
         details, problem = {"data_position": None, "extras_keys": []}, str(exc)
     try:
-        details["pin"] = read_pins(backend).get(name)
+        details["pin"] = read_pins(store).get(name)
     except StorageError as exc:  # a corrupt pins.json must not hide the manifest
         details["pin"] = None
         warnings.append(str(exc))
@@ -135,12 +134,12 @@ def position_text(position: Any) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     tier = open_root_tier(args.root)
-    backend = tier.store
-    name = default_generation(backend) if args.generation is None else \
-        checked_generation(backend, args.generation)
-    manifest = read_manifest(backend, name, key=key_from_env())  # ValidationError -> exit 1
-    latest = read_latest(backend)
-    warnings = latest_warnings(backend, latest)
+    store = tier.store
+    name = default_generation(store) if args.generation is None else \
+        checked_generation(store, args.generation)
+    manifest = read_manifest(store, name, key=key_from_env())  # ValidationError -> exit 1
+    latest = read_latest_name(store)
+    warnings = latest_warnings(store, latest)
     details, problem = inspect_details(tier, name, manifest, warnings)
     if args.json:
         out = {**manifest.model_dump(mode="json"), "latest": name == latest, **details,
@@ -162,9 +161,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def verify_result(backend: Backend, name: str, key: bytes | None) -> dict[str, Any]:
+def verify_result(store: Store, name: str, key: bytes | None) -> dict[str, Any]:
     try:
-        manifest = validate(backend, name, digests=True, key=key)
+        manifest = validate(store, name, digests=True, key=key)
     except ValidationError as exc:
         return {"generation": name, "ok": False, "reason": str(exc), "path": exc.path}
     except OSError as exc:
@@ -186,12 +185,12 @@ def print_verify(result: dict[str, Any]) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    backend = open_root(args.root)
+    store = open_root(args.root)
     if args.all:
-        return verify_all(backend, args)
-    name = default_generation(backend) if args.generation is None else \
-        checked_generation(backend, args.generation)
-    result = verify_result(backend, name, key_from_env())
+        return verify_all(store, args)
+    name = default_generation(store) if args.generation is None else \
+        checked_generation(store, args.generation)
+    result = verify_result(store, name, key_from_env())
     if args.json:
         print(json.dumps(result))
     else:
@@ -199,14 +198,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def verify_all(backend: Backend, args: argparse.Namespace) -> int:
+def verify_all(store: Store, args: argparse.Namespace) -> int:
     if args.generation is not None:
         raise UsageError("give GEN or --all, not both")
-    names = list_generations(backend)
+    names = list_generations(store)
     if not names:
-        raise UsageError(f"no generation under {backend.root}")
+        raise UsageError(f"no generation under {store.root}")
     key = key_from_env()
-    results = [verify_result(backend, name, key) for name in names]
+    results = [verify_result(store, name, key) for name in names]
     valid = sum(result["ok"] for result in results)
     if args.json:
         print(json.dumps({"ok": valid == len(results), "generations": results}, indent=1))

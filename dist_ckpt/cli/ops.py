@@ -7,56 +7,54 @@ import argparse
 import json
 from typing import IO
 
-from ..errors import DistCkptError, UnsafeNameError
+from ..errors import DistCkptError
 from ..format.inventory import GenerationInfo, inspect_generation
-from ..format.manifest import LATEST_NAME, MANIFEST_NAME, check_generation_name, parse_generation
+from ..format.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    REASON_NAME,
+    REJECTED_DIR,
+    parse_generation,
+    read_latest_name,
+    rejected_generation,
+)
 from ..format.signing import key_from_env
 from ..format.validate import Problem
 from ..ops.retention import change_pin, read_pins
-from ..storage.base import Backend, StoreReader
+from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier, open_tier
-from ..tiers.rejected import REASON_NAME, REJECTED_DIR
 from .common import (
-    QUARANTINED_ENTRY,
     Refused,
     UsageError,
     checked_generation,
     open_root,
     open_root_tier,
-    read_latest,
+    safe_generation_name,
 )
 from .inspection import verify_result
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    backend = open_root(args.root)
+    store = open_root(args.root)
     if args.command == "unpin":  # a pruned-by-hand generation can still be unpinned
         name = safe_generation_name(args.generation)
-        if name not in read_pins(backend):
+        if name not in read_pins(store):
             raise Refused(f"{name} is not pinned")
-        change = change_pin(backend, name, None)
+        change = change_pin(store, name, None)
         message = f"unpinned {name} (was {change.previous})"
     else:
-        name = checked_generation(backend, args.generation)
-        info = inspect_generation(backend, name, digests=False, key=key_from_env())
+        name = checked_generation(store, args.generation)
+        info = inspect_generation(store, name, digests=False, key=key_from_env())
         if info.state != "committed":  # a pin keeps bytes nobody can restore from
             raise Refused(f"cannot pin {name}: {info.reason}")
-        change = change_pin(backend, name, args.label)
+        change = change_pin(store, name, args.label)
         message = pin_message(name, change.previous, args.label)
     if args.json:
         print(json.dumps({"generation": name, "label": change.pins.get(name),
                           "previous": change.previous, "message": message, "pins": change.pins}))
     else:
-        print(f"{message}; {len(change.pins)} pinned generation(s) under {backend.root}")
+        print(f"{message}; {len(change.pins)} pinned generation(s) under {store.root}")
     return 0
-
-
-def safe_generation_name(name: str) -> str:
-    try:
-        check_generation_name(name)
-    except UnsafeNameError as exc:
-        raise UsageError(str(exc)) from exc
-    return name
 
 
 def pin_message(name: str, previous: str | None, label: str) -> str:
@@ -69,17 +67,17 @@ def pin_message(name: str, previous: str | None, label: str) -> str:
 
 def cmd_quarantine(args: argparse.Namespace) -> int:
     tier = open_local_root(args.root, "quarantine")
-    backend = tier.store
-    name = checked_generation(backend, args.generation)
+    store = tier.store
+    name = checked_generation(store, args.generation)
     key = key_from_env()
-    info = inspect_generation(backend, name, digests=False, key=key)
-    pins = read_pins(backend)
-    damage = None if args.force else refuse_quarantine(backend, name, info, pins, key)
+    info = inspect_generation(store, name, digests=False, key=key)
+    pins = read_pins(store)
+    damage = None if args.force else refuse_quarantine(store, name, info, pins, key)
     reason = args.reason or damage or info.reason or "moved aside by an operator (dist-ckpt quarantine)"
     target = tier.move_aside(Problem(name, reason, None if args.reason else info.path))
     if target is None:
-        raise UsageError(f"{name} is not a directory under {backend.root}")
-    unpinned = change_pin(backend, name, None).previous if name in pins else None
+        raise UsageError(f"{name} is not a directory under {store.root}")
+    unpinned = change_pin(store, name, None).previous if name in pins else None
     if args.json:
         print(json.dumps({"generation": name, "path": target, "reason": reason, "unpinned": unpinned}))
     else:
@@ -101,15 +99,15 @@ def open_local_root(root: str, command: str) -> CommitTier:
     return open_root_tier(root)
 
 
-def refuse_quarantine(backend: Backend, name: str, info: GenerationInfo, pins: dict[str, str],
+def refuse_quarantine(store: Store, name: str, info: GenerationInfo, pins: dict[str, str],
                       key: bytes | None) -> str | None:
     """Without --force: never move a pinned generation, nor the one latest.json names while it
     validates (digests included: a damaged latest may go). Returns the damage found, if any."""
     if name in pins:
         raise Refused(f"{name} is pinned as {pins[name]}; unpin it or pass --force")
-    if info.state != "committed" or name != read_latest(backend):
+    if info.state != "committed" or name != read_latest_name(store):
         return None
-    result = verify_result(backend, name, key)
+    result = verify_result(store, name, key)
     if result["ok"]:
         raise Refused(f"{name} is the valid generation {LATEST_NAME} points to; pass --force to "
                       f"move it aside anyway")
@@ -120,7 +118,7 @@ class QuarantinedCopy:
     """An entry under ``ROOT/rejected/`` seen (read-only) under its generation's name, so that
     ``validate`` checks it unchanged (its manifest still names the generation)."""
 
-    def __init__(self, store: Backend, entry: str, generation: str) -> None:
+    def __init__(self, store: Store, entry: str, generation: str) -> None:
         self.store = store
         self.entry = entry
         self.generation = generation
@@ -161,20 +159,20 @@ class QuarantinedCopy:
         return self.store.tree_size(self._rel(rel))
 
 
-def rm_target(backend: Backend, name: str) -> tuple[str, StoreReader, str]:
-    """(path to delete relative to the root, backend to validate through, generation name) for
+def rm_target(store: Store, name: str) -> tuple[str, StoreReader, str]:
+    """(path to delete relative to the root, store to validate through, generation name) for
     a generation or a quarantined entry (``ENTRY`` or ``rejected/ENTRY``)."""
     if parse_generation(name) is not None:
-        return checked_generation(backend, name), backend, name
+        return checked_generation(store, name), store, name
     entry = name.removeprefix(f"{REJECTED_DIR}/")
-    match = QUARANTINED_ENTRY.match(entry)
-    if match is None:
+    generation = rejected_generation(entry)
+    if generation is None:
         raise UsageError(f"{name!r} is neither a generation name nor a quarantined entry "
                          f"({REJECTED_DIR}/gen-NNNNNNNNNNNN-<time>-<id>)")
     rel = f"{REJECTED_DIR}/{entry}"
-    if not backend.exists(f"{rel}/{MANIFEST_NAME}") and not backend.exists(f"{rel}/{REASON_NAME}"):
-        raise UsageError(f"no quarantined entry {entry!r} under {backend.url(REJECTED_DIR)}")
-    return rel, QuarantinedCopy(backend, rel, match.group(1)), match.group(1)
+    if not store.exists(f"{rel}/{MANIFEST_NAME}") and not store.exists(f"{rel}/{REASON_NAME}"):
+        raise UsageError(f"no quarantined entry {entry!r} under {store.url(REJECTED_DIR)}")
+    return rel, QuarantinedCopy(store, rel, generation), generation
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -182,21 +180,21 @@ def cmd_rm(args: argparse.Namespace) -> int:
         raise UsageError("rm needs --invalid-only: it deletes only a generation that fails "
                          "validation (committed data is never deleted by accident; old "
                          "generations go with `dist-ckpt prune`)")
-    backend = open_local_root(args.root, "rm").store
-    rel, view, generation = rm_target(backend, args.name)
+    store = open_local_root(args.root, "rm").store
+    rel, view, generation = rm_target(store, args.name)
     # bytes only: a generation signed under another key is not damaged, and this deletes
     result = verify_result(view, generation, key=None)
     if result["ok"]:
         raise Refused(f"{rel} is valid ({result['reason']}); not deleted")
-    backend.remove_tree(f"{rel}/{MANIFEST_NAME}")  # first: a cut-short delete leaves no manifest
-    backend.remove_tree(rel)
-    if backend.exists(rel):
-        raise OSError(f"could not delete all of {backend.url(rel)}")
+    store.remove_tree(f"{rel}/{MANIFEST_NAME}")  # first: a cut-short delete leaves no manifest
+    store.remove_tree(rel)
+    if store.exists(rel):
+        raise OSError(f"could not delete all of {store.url(rel)}")
     unpinned = None
-    if rel == generation and generation in read_pins(backend):
-        unpinned = change_pin(backend, generation, None).previous
+    if rel == generation and generation in read_pins(store):
+        unpinned = change_pin(store, generation, None).previous
     if args.json:
-        print(json.dumps({"deleted": rel, "path": backend.url(rel), "reason": result["reason"],
+        print(json.dumps({"deleted": rel, "path": store.url(rel), "reason": result["reason"],
                           "unpinned": unpinned}))
     else:
         print(f"deleted {rel} ({result['reason']})")

@@ -23,7 +23,7 @@ from ..save.cadence import (
     parse_tiers,
     step_time_from_log,
 )
-from ..storage.base import Backend, open_backend, parent_url
+from ..storage.base import Store, open_store, parent_url
 from .common import UsageError, human_bytes, open_root
 
 LAUNCH_LOG = "launch-log.jsonl"
@@ -86,7 +86,7 @@ def plan_step_time(given: float | None, root: str) -> tuple[float | None, str]:
         return given, "--step-time"
     for directory in launch_log_dirs(root):
         try:
-            raw = open_backend(directory).read_bytes(LAUNCH_LOG)
+            raw = open_store(directory).read_bytes(LAUNCH_LOG)
         except (StorageError, OSError, ValueError):  # absent or unreadable: try the next place
             continue
         found = step_time_from_log(raw.decode("utf-8", errors="replace"))
@@ -116,7 +116,7 @@ def read_tiers_file(path: str | None) -> list[Tier]:
         raise UsageError(f"tiers file {path!r} is malformed: {exc}") from exc
 
 
-def build_plan(args: argparse.Namespace, backend: Backend) -> Plan:
+def build_plan(args: argparse.Namespace, backend: Store) -> Plan:
     committed = sorted((i.manifest for i in inventory(backend, digests=False, key=key_from_env())
                         if i.state == "committed" and i.manifest),
                        key=lambda manifest: manifest.next_update, reverse=True)

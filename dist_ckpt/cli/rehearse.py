@@ -24,18 +24,18 @@ from .common import Refused, UsageError, open_root
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
-    backend = open_root(args.root)
+    store = open_root(args.root)
     target = args.generation or "newest"
-    if args.generation is not None and args.generation not in list_generations(backend):
-        raise UsageError(f"no generation {args.generation!r} under {backend.root}")
+    if args.generation is not None and args.generation not in list_generations(store):
+        raise UsageError(f"no generation {args.generation!r} under {store.root}")
     if not os.path.isfile(args.script):
         raise UsageError(f"script not found: {args.script}")
-    before = read_rehearsals(backend)
+    before = read_rehearsals(store)
     env = dict(os.environ, DIST_CKPT_ROOT=args.root, **{REHEARSE_ENV: target})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(args.nproc_per_node), args.script, *shlex.split(args.script_args)]
     completed = subprocess.run(command, env=env, check=False)
-    fresh = {name: record for name, record in read_rehearsals(backend).items()
+    fresh = {name: record for name, record in read_rehearsals(store).items()
              if before.get(name) != record}
     return report(args, completed.returncode, fresh)
 

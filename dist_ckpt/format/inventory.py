@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ValidationError
-from ..storage.base import Backend
+from ..storage.base import StoreReader
 from .manifest import MANIFEST_NAME, Manifest, parse_generation
 from .validate import list_generations, list_pending, validate
 
@@ -21,11 +21,11 @@ class GenerationInfo:
     manifest: Manifest | None = None
 
 
-def inspect_generation(backend: Backend, name: str, *, digests: bool,
+def inspect_generation(store: StoreReader, name: str, *, digests: bool,
                        key: bytes | None = None) -> GenerationInfo:
     number = parse_generation(name)
     try:
-        manifest = validate(backend, name, digests=digests, key=key)
+        manifest = validate(store, name, digests=digests, key=key)
     except ValidationError as exc:
         return GenerationInfo(name, number, "invalid", reason=str(exc), path=exc.path)
     except OSError as exc:
@@ -33,28 +33,25 @@ def inspect_generation(backend: Backend, name: str, *, digests: bool,
     return GenerationInfo(name, number, "committed", manifest.total_bytes, manifest=manifest)
 
 
-def inventory(backend: Backend, *, digests: bool, key: bytes | None = None) -> list[GenerationInfo]:
+def is_committed(store: StoreReader, name: str, key: bytes | None = None) -> bool:
+    """Whether generation ``name`` is committed in ``store``: its manifest is there, and the
+    structure and sizes check out (digests are not read; with ``key``, only if signed by it).
+    The one answer to the question, for every caller that asks it."""
+    return store.exists(f"{name}/{MANIFEST_NAME}") \
+        and inspect_generation(store, name, digests=False, key=key).state == "committed"
+
+
+def inventory(store: StoreReader, *, digests: bool, key: bytes | None = None) -> list[GenerationInfo]:
     """Every generation and pending directory; with ``key``, unsigned manifests are invalid."""
-    infos = [inspect_generation(backend, name, digests=digests, key=key)
-             for name in list_generations(backend)]
-    for name in list_pending(backend):
+    infos = [inspect_generation(store, name, digests=digests, key=key)
+             for name in list_generations(store)]
+    for name in list_pending(store):
         infos.append(GenerationInfo(name, None, "pending", reason="not committed (in flight "
                                                                   "or abandoned)"))
     return infos
 
 
-def newest_committed(backend: Backend, key: bytes | None = None) -> str | None:
+def newest_committed(store: StoreReader, key: bytes | None = None) -> str | None:
     """The newest generation whose structure and sizes check out (what restore tries first,
     before digests), or None."""
-    for name in list_generations(backend):
-        if inspect_generation(backend, name, digests=False, key=key).state == "committed":
-            return name
-    return None
-
-
-def is_committed(store: Backend, name: str, key: bytes | None = None) -> bool:
-    """Whether generation ``name`` is committed in ``store``: its manifest exists and the
-    structure and sizes check out (digests are not read)."""
-    if not store.exists(f"{name}/{MANIFEST_NAME}"):
-        return False
-    return inspect_generation(store, name, digests=False, key=key).state == "committed"
+    return next((name for name in list_generations(store) if is_committed(store, name, key)), None)

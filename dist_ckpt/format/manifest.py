@@ -1,8 +1,10 @@
-"""Schemas of the generation manifest and the latest pointer, and generation naming.
+"""Schemas of the generation manifest and the latest pointer, and the names of a root.
 
 A generation directory is named ``gen-<next_update, 12 digits>``; its ``manifest.json`` is
 written last and lists every file with its size and digest (BLAKE3; sha256 in older
-generations). ``latest.json`` at the root points at the newest validated generation.
+generations). ``latest.json`` at the root points at the newest validated generation. Every
+other name the library gives below a root is built and parsed here too: an attempt's pending
+directory ``.pending-G-<attempt>`` and a rejected generation's ``rejected/G-<time>-<id>/``.
 
 Everything read here may be hostile: parsers raise ``ValidationError`` (never another
 exception), and ``regular_file_size`` refuses, without opening it, anything below a local root
@@ -13,12 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from ..errors import UnsafeFileError, UnsafeNameError, ValidationError
+from ..errors import StorageError, UnsafeFileError, UnsafeNameError, ValidationError
+from ..storage.base import StoreReader, read_bounded
 
 FORMAT_VERSION = 2  # 2: an entry's digest may be blake3
 READABLE_FORMATS = (1, 2)
@@ -27,16 +32,21 @@ LATEST_NAME = "latest.json"
 DCP_DIR = "dcp"
 STATE_DIR = "state"
 GLOBAL_STATE_FILE = f"{STATE_DIR}/train_state.json"
-METADATA_FILE = f"{DCP_DIR}/.metadata"  # DCP's pickled metadata, written by rank 0
+METADATA_NAME = ".metadata"  # DCP's pickled metadata, written by rank 0
+METADATA_FILE = f"{DCP_DIR}/{METADATA_NAME}"
 COMMON_FILES = frozenset({METADATA_FILE, GLOBAL_STATE_FILE})  # rank 0 writes them, every rank reads them
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILES = 1_000_000
 MAX_POINTER_BYTES = 64 << 10  # latest.json is about 200 bytes
 MAX_UNIX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second datetime can show
 PENDING_PREFIX = ".pending-"
+REJECTED_DIR = "rejected"  # rejected generations moved aside, below the root
+REASON_NAME = "reason.txt"  # in a rejected entry: why it was moved aside
 
 # fullmatch, ASCII digits only: "$" would accept a trailing newline and "\d" any Unicode digit
 _GEN_RE = re.compile(r"gen-([0-9]{12})")
+_PENDING_RE = re.compile(rf"{re.escape(PENDING_PREFIX)}gen-([0-9]{{12}})(?:-|\Z)")  # match
+_REJECTED_RE = re.compile(r"(gen-[0-9]{12})-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")
 _SAFE_PART = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.\-]*")
 
 
@@ -56,6 +66,30 @@ def parse_generation(name: str) -> int | None:
     """The update number of a generation name, or None when ``name`` is not one."""
     match = _GEN_RE.fullmatch(name) if isinstance(name, str) else None
     return int(match.group(1)) if match else None
+
+
+def pending_dir_name(generation: str, attempt_id: str) -> str:
+    """The private local directory of an attempt (renamed to ``generation`` on commit in a
+    rename tier; scratch before upload in an object-store tier)."""
+    return f"{PENDING_PREFIX}{generation}-{attempt_id}"
+
+
+def pending_update(name: str) -> int | None:
+    """The update number of a pending directory's name, or None when ``name`` is not one."""
+    match = _PENDING_RE.match(name) if isinstance(name, str) else None
+    return int(match.group(1)) if match else None
+
+
+def rejected_entry_name(generation: str) -> str:
+    """A new name below ``REJECTED_DIR`` for ``generation``: ``<generation>-<UTC time>-<6 hex>``
+    (one generation may be moved aside more than once)."""
+    return f"{generation}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+
+
+def rejected_generation(entry: str) -> str | None:
+    """The generation an entry below ``REJECTED_DIR`` holds, or None when ``entry`` is not one."""
+    match = _REJECTED_RE.fullmatch(entry) if isinstance(entry, str) else None
+    return match.group(1) if match else None
 
 
 def check_generation_name(name: str) -> int:
@@ -82,7 +116,7 @@ def check_relative_path(path: str) -> str:
     return path
 
 
-def regular_file_size(backend: Any, rel: str, *, generation: str | None = None,
+def regular_file_size(store: StoreReader, rel: str, *, generation: str | None = None,
                       path: str | None = None, limit: int | None = None,
                       checked_dirs: set[str] | None = None) -> int:
     """The size of ``rel`` through the store's ``checked_size``: a regular file reached
@@ -90,11 +124,21 @@ def regular_file_size(backend: Any, rel: str, *, generation: str | None = None,
     Raises ``UnsafeFileError`` naming ``path`` (default ``rel``) in ``generation``, or
     ``FileNotFoundError``. ``checked_dirs`` caches directories a store already found sound."""
     try:
-        return backend.checked_size(rel, limit=limit, sound_dirs=checked_dirs)
+        return store.checked_size(rel, limit=limit, sound_dirs=checked_dirs)
     except UnsafeFileError as exc:
         shown = path or rel
         raise UnsafeFileError(f"{generation + ': ' if generation else ''}{shown}: {exc}",
                               generation=generation, path=shown) from None
+
+
+def _parse_failure(exc: Exception) -> str:
+    """What a schema's parser refused, fit for a message (the first error only)."""
+    if not isinstance(exc, PydanticValidationError):  # whatever the parser did not wrap
+        return type(exc).__name__
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "unreadable"}
+    field = ascii(".".join(str(part) for part in first["loc"]))[1:-1][:80]  # escapes controls
+    return f"{field + ': ' if field else ''}{first['msg']}"
 
 
 def _check_listed_path(path: str, generation: str) -> None:
@@ -187,13 +231,8 @@ class Manifest(BaseModel):
             raise invalid(f"is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} byte bound")
         try:
             manifest = cls.model_validate_json(raw)
-        except PydanticValidationError as exc:
-            errors = exc.errors()
-            first = errors[0] if errors else {"loc": (), "msg": "unreadable"}
-            field = ascii(".".join(str(part) for part in first["loc"]))[1:-1][:80]  # escapes controls
-            raise invalid(f"is corrupt: {field + ': ' if field else ''}{first['msg']}") from exc
-        except (ValueError, TypeError, RecursionError) as exc:  # whatever the parser did not wrap
-            raise invalid(f"is corrupt: {type(exc).__name__}") from exc
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise invalid(f"is corrupt: {_parse_failure(exc)}") from exc
         if manifest.format_version not in READABLE_FORMATS:
             raise invalid(f"has format {manifest.format_version}, this dist_ckpt reads "
                           f"{', '.join(map(str, READABLE_FORMATS))}")
@@ -231,19 +270,6 @@ class LatestPointer(BaseModel):
             raise ValueError(f"next_update {self.next_update} is not the number of {self.generation}")
         return self
 
-    @staticmethod
-    def replaces(current_raw: bytes | None, manifest: Manifest) -> bool:
-        """Whether a pointer at ``manifest`` should replace the pointer ``current_raw``: it
-        never moves back to an older generation; a missing or corrupt pointer is replaced
-        (restore never trusts the pointer over validation)."""
-        if current_raw is None:
-            return True
-        try:
-            current = LatestPointer.model_validate_json(current_raw)
-        except (ValueError, TypeError, RecursionError):
-            return True
-        return current.next_update <= manifest.next_update
-
     @classmethod
     def for_manifest(cls, manifest: Manifest, raw: bytes) -> LatestPointer:
         return cls(generation=manifest.generation, manifest_sha256=hashlib.sha256(raw).hexdigest(),
@@ -251,14 +277,39 @@ class LatestPointer(BaseModel):
                    next_update=manifest.next_update)
 
 
-def read_latest_name(backend: Any) -> str | None:
-    """The generation ``latest.json`` under ``backend`` names; None when absent or unreadable
-    (the pointer is a hint: nothing trusts it over validation)."""
+def read_latest_pointer(store: StoreReader) -> LatestPointer:
+    """The ``latest.json`` under ``store``, parsed: the one reader of the pointer. It is a
+    hint (restore never trusts it over validation), so each caller decides what a problem is
+    worth; each case raises its own type, with a message naming the file:
+    ``FileNotFoundError``: there is none;
+    ``UnsafeFileError``: not a regular file reached without a link, or over
+    ``MAX_POINTER_BYTES`` (refused unopened: a FIFO would block the reader);
+    ``StorageError``: the store could not read it;
+    ``UnsafeNameError``: it names something that is not a generation name (never followed);
+    ``ValidationError``: its bytes are not a pointer (JSON or schema)."""
+    where = store.url(LATEST_NAME)
     try:
-        regular_file_size(backend, LATEST_NAME, limit=MAX_POINTER_BYTES)  # a FIFO would block
-        raw = backend.read_bytes(LATEST_NAME)
-        if len(raw) > MAX_POINTER_BYTES:
-            return None
-        return LatestPointer.model_validate_json(raw).generation
+        raw = read_bounded(store, LATEST_NAME, MAX_POINTER_BYTES)
+    except FileNotFoundError:
+        raise
+    except UnsafeFileError as exc:
+        raise UnsafeFileError(f"{where}: {exc}", path=LATEST_NAME) from None
+    except (OSError, StorageError) as exc:
+        raise StorageError(f"cannot read {where}: {exc}") from exc
+    try:
+        return LatestPointer.model_validate_json(raw)
+    except (ValueError, TypeError, RecursionError) as exc:
+        first = exc.errors()[0] if isinstance(exc, PydanticValidationError) and exc.errors() else {}
+        if first.get("loc") == ("generation",) and first.get("type") == "string_pattern_mismatch":
+            raise UnsafeNameError(f"{where} names {_short(first.get('input'))}, which is not a "
+                                  "generation name (never followed)", path=LATEST_NAME) from exc
+        raise ValidationError(f"{where} is corrupt: {_parse_failure(exc)}", path=LATEST_NAME) from exc
+
+
+def read_latest_name(store: StoreReader) -> str | None:
+    """The generation ``latest.json`` names; None on any problem (for readers to whom the
+    pointer is only a hint to show: a listing, a log line, an estimate)."""
+    try:
+        return read_latest_pointer(store).generation
     except Exception:  # noqa: BLE001 - missing, unreadable or corrupt: no hint
         return None

@@ -24,7 +24,7 @@ from .manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
-    MAX_POINTER_BYTES,
+    METADATA_FILE,
     PENDING_PREFIX,
     FileEntry,
     LatestPointer,
@@ -32,6 +32,7 @@ from .manifest import (
     check_generation_name,
     parse_generation,
     rank_state_file,
+    read_latest_pointer,
     regular_file_size,
 )
 from .signing import MAX_SIGNATURE_BYTES, SIGNATURE_NAME, verify
@@ -51,16 +52,16 @@ class Problem:
         return f"{self.generation}{where}{tier}: {self.reason}"
 
 
-def list_generations(backend: StoreReader) -> list[str]:
+def list_generations(store: StoreReader) -> list[str]:
     """Generation directory names, newest first by parsed update number (never lexically)."""
-    names = [n for n in backend.listdir("") if parse_generation(n) is not None]
+    names = [n for n in store.listdir("") if parse_generation(n) is not None]
     return sorted(names, key=lambda n: parse_generation(n) or 0, reverse=True)
 
 
-def list_pending(backend: StoreReader) -> list[str]:
+def list_pending(store: StoreReader) -> list[str]:
     """Pending attempt directories, for display: bytes of a name that are not UTF-8 (which
     the library never writes) are shown as ``\\xNN``, so that the name can be printed."""
-    return [_printable(n) for n in backend.listdir("") if n.startswith(PENDING_PREFIX)]
+    return [_printable(n) for n in store.listdir("") if n.startswith(PENDING_PREFIX)]
 
 
 def _printable(name: str) -> str:
@@ -75,14 +76,14 @@ def _printable(name: str) -> str:
         return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def read_manifest(backend: StoreReader, generation: str, *, key: bytes | None = None) -> Manifest:
+def read_manifest(store: StoreReader, generation: str, *, key: bytes | None = None) -> Manifest:
     """Parse a generation's manifest; with ``key``, only if its signature verifies."""
     check_generation_name(generation)
     rel = f"{generation}/{MANIFEST_NAME}"
     try:
-        regular_file_size(backend, rel, generation=generation, path=MANIFEST_NAME,
+        regular_file_size(store, rel, generation=generation, path=MANIFEST_NAME,
                           limit=MAX_MANIFEST_BYTES)
-        raw = backend.read_bytes(rel)
+        raw = store.read_bytes(rel)
     except (FileNotFoundError, StorageError) as exc:
         raise ValidationError(f"{generation} has no manifest (never committed)",
                               generation=generation, path=MANIFEST_NAME) from exc
@@ -90,9 +91,9 @@ def read_manifest(backend: StoreReader, generation: str, *, key: bytes | None = 
     if key is not None:
         sig_rel = f"{generation}/{manifest.location(SIGNATURE_NAME)}"
         try:
-            regular_file_size(backend, sig_rel, generation=generation, path=SIGNATURE_NAME,
+            regular_file_size(store, sig_rel, generation=generation, path=SIGNATURE_NAME,
                               limit=MAX_SIGNATURE_BYTES)
-            signature: bytes | None = backend.read_bytes(sig_rel)
+            signature: bytes | None = store.read_bytes(sig_rel)
         except (FileNotFoundError, StorageError):
             signature = None
         except UnsafeFileError as exc:  # unreadable, as a signature: signature=True for restore
@@ -101,14 +102,14 @@ def read_manifest(backend: StoreReader, generation: str, *, key: bytes | None = 
     return manifest
 
 
-def check_structure(backend: StoreReader, generation: str, *, key: bytes | None = None) -> Manifest:
-    manifest = read_manifest(backend, generation, key=key)
+def check_structure(store: StoreReader, generation: str, *, key: bytes | None = None) -> Manifest:
+    manifest = read_manifest(store, generation, key=key)
     listed = {f.path for f in manifest.files}
     if manifest.world_size > len(listed):  # before building world_size names
         raise ValidationError(f"{generation}: {MANIFEST_NAME} says world_size={manifest.world_size} but "
                               f"lists {len(listed)} files: rank state files are missing",
                               generation=generation, path=MANIFEST_NAME)
-    required = {"dcp/.metadata", GLOBAL_STATE_FILE}
+    required = {METADATA_FILE, GLOBAL_STATE_FILE}
     required |= {rank_state_file(r) for r in range(manifest.world_size)}
     missing = sorted(required - listed)
     if missing:
@@ -137,12 +138,12 @@ def check_entry(generation: str, path: str, entry: FileEntry | None, size: int,
                               generation=generation, path=path)
 
 
-def check_sizes(backend: StoreReader, generation: str, manifest: Manifest) -> None:
+def check_sizes(store: StoreReader, generation: str, manifest: Manifest) -> None:
     sound: set[str] = set()
     for entry in manifest.files:
         rel = f"{generation}/{manifest.location(entry.path)}"
         try:
-            size = regular_file_size(backend, rel, generation=generation, path=entry.path,
+            size = regular_file_size(store, rel, generation=generation, path=entry.path,
                                      checked_dirs=sound)
         except (FileNotFoundError, StorageError) as exc:
             raise ValidationError(f"{generation}: file {entry.path} is missing",
@@ -150,7 +151,7 @@ def check_sizes(backend: StoreReader, generation: str, manifest: Manifest) -> No
         check_entry(generation, entry.path, entry, size)
 
 
-def check_digests(backend: StoreReader, generation: str, manifest: Manifest,
+def check_digests(store: StoreReader, generation: str, manifest: Manifest,
                   paths: Iterable[str] | None = None) -> None:
     wanted = None if paths is None else set(paths)
     sound: set[str] = set()
@@ -158,13 +159,13 @@ def check_digests(backend: StoreReader, generation: str, manifest: Manifest,
         if wanted is not None and entry.path not in wanted:
             continue
         rel = f"{generation}/{manifest.location(entry.path)}"
-        regular_file_size(backend, rel, generation=generation, path=entry.path, checked_dirs=sound)
-        digest = backend.digest(rel, entry.algorithm)
+        regular_file_size(store, rel, generation=generation, path=entry.path, checked_dirs=sound)
+        digest = store.digest(rel, entry.algorithm)
         progress.advance(entry.size)
         check_entry(generation, entry.path, entry, entry.size, digest)
 
 
-def read_verified(backend: StoreReader, generation: str, manifest: Manifest, path: str, *,
+def read_verified(store: StoreReader, generation: str, manifest: Manifest, path: str, *,
                   validated: bool = False) -> bytes:
     """A small listed file's bytes, returned only if they match its manifest entry: nothing
     parses bytes a digest has not vouched for. ``validated``: the generation was validated
@@ -172,9 +173,9 @@ def read_verified(backend: StoreReader, generation: str, manifest: Manifest, pat
     rel = f"{generation}/{manifest.location(path)}"
     entry = manifest.file(path)
     try:
-        size = regular_file_size(backend, rel, generation=generation, path=path)
+        size = regular_file_size(store, rel, generation=generation, path=path)
         check_entry(generation, path, entry, size)  # before reading: never a file of the wrong size
-        raw = backend.read_bytes(rel)
+        raw = store.read_bytes(rel)
         assert entry is not None
         check_entry(generation, path, entry, len(raw), digest_bytes(raw, entry.algorithm))
     except ValidationError as exc:
@@ -189,12 +190,11 @@ def move_latest(store: Store, manifest: Manifest, raw: bytes) -> None:
     """Point ``latest.json`` at ``manifest``'s generation unless it already points newer.
     The only writer of the pointer, in every tier; call after the generation validated."""
     try:
-        regular_file_size(store, LATEST_NAME, limit=MAX_POINTER_BYTES)  # a FIFO would block
-        current: bytes | None = store.read_bytes(LATEST_NAME)
+        current: LatestPointer | None = read_latest_pointer(store)
     except (FileNotFoundError, StorageError, ValidationError):
-        current = None  # missing, or not a pointer file: replaced
-    if not LatestPointer.replaces(current, manifest):
-        return
+        current = None  # missing, unreadable or not a pointer: replaced
+    if current is not None and current.next_update > manifest.next_update:
+        return  # never back to an older generation
     pointer = LatestPointer.for_manifest(manifest, raw).model_dump_json().encode("utf-8")
     try:
         store.put_bytes(LATEST_NAME, pointer)
@@ -202,11 +202,11 @@ def move_latest(store: Store, manifest: Manifest, raw: bytes) -> None:
         raise StorageError(f"cannot replace {store.url(LATEST_NAME)}: {exc}") from exc
 
 
-def validate(backend: StoreReader, generation: str, *, digests: bool = True,
+def validate(store: StoreReader, generation: str, *, digests: bool = True,
              key: bytes | None = None) -> Manifest:
     """Full validation of one generation on one process; raises ``ValidationError``."""
-    manifest = check_structure(backend, generation, key=key)
-    check_sizes(backend, generation, manifest)
+    manifest = check_structure(store, generation, key=key)
+    check_sizes(store, generation, manifest)
     if digests:
-        check_digests(backend, generation, manifest)
+        check_digests(store, generation, manifest)
     return manifest

@@ -47,16 +47,17 @@ from ..errors import ConfigError, DistCkptError, ValidationError
 from ..format.manifest import (
     COMMON_FILES,
     MANIFEST_NAME,
+    PENDING_PREFIX,
     Manifest,
     check_generation_name,
     generation_name,
     parse_generation,
+    pending_dir_name,
 )
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import check_entry, list_generations
 from ..protocol.comm import Comm
 from ..storage.local import file_digest, fsync_dir, write_durable
-from ..tiers.base import PENDING_PREFIX, pending_dir_name
 from .peer import PeerError, PeerFiles, fetch, push
 from .tier import MemoryTier, remove_newer
 
@@ -410,9 +411,7 @@ def _mtime(path: str) -> float:
 
 def _generation_of(name: str) -> int | None:
     """The generation a replica directory holds: ``G`` or a pending ``.pending-G-<id>``."""
-    if name.startswith(PENDING_PREFIX):
-        name = name[len(PENDING_PREFIX):].rpartition("-")[0]
-    return parse_generation(name)
+    return pending_update(name) if name.startswith(PENDING_PREFIX) else parse_generation(name)
 
 
 def _received(root: str) -> list[tuple[str, str]]:

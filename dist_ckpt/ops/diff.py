@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -26,8 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -40,6 +37,7 @@ from ..format.inventory import newest_committed
 from ..format.manifest import GLOBAL_STATE_FILE, METADATA_FILE, Manifest, parse_generation, rank_state_file
 from ..format.validate import check_digests, check_sizes, check_structure, read_verified
 from ..restart import codec
+from ..restore.loader import load_in_process
 from ..storage.base import StoreReader
 from ..tiers import CommitTier, GenerationReader, open_tier
 
@@ -112,15 +110,15 @@ class Generation:
     manifest: Manifest
 
     @property
-    def backend(self) -> StoreReader:
+    def store(self) -> StoreReader:
         return self.tier.store
 
     @property
     def url(self) -> str:
-        return self.backend.url(self.name)
+        return self.store.url(self.name)
 
     def read_json(self, path: str) -> Any:
-        raw = read_verified(self.backend, self.name, self.manifest, path)
+        raw = read_verified(self.store, self.name, self.manifest, path)
         return codec.loads(raw, what=f"{self.name}/{path}")
 
 
@@ -145,15 +143,15 @@ def locate(spec: str, *, key: bytes | None = None) -> Generation:
     """``ROOT`` (its newest committed generation) or the path/URL of a generation directory."""
     root, name = split_spec(spec)
     tier = open_tier(root)
-    backend = tier.store
-    if not backend.exists(""):
+    store = tier.store
+    if not store.exists(""):
         raise StorageError(f"checkpoint root {root!r} does not exist")
     if name is None:
-        name = newest_committed(backend, key)
+        name = newest_committed(store, key)
         if name is None:
-            raise ValidationError(f"no committed generation under {backend.root}")
-    elif not backend.exists(name):
-        raise ValidationError(f"no generation {name!r} under {backend.root}", generation=name)
+            raise ValidationError(f"no committed generation under {store.root}")
+    elif not store.exists(name):
+        raise ValidationError(f"no generation {name!r} under {store.root}", generation=name)
     return open_generation(tier, name, key=key)
 
 
@@ -352,7 +350,7 @@ class _TensorSource:
             metadata = reader.read_metadata()
             if not reader.hashes_on_read:
                 # files read in place cannot be swapped under a private copy: hash them first
-                check_digests(generation.backend, name, manifest, [
+                check_digests(generation.store, name, manifest, [
                     f.path for f in manifest.files if f.path.startswith("dcp/") and f.path != METADATA_FILE])
             yield cls(generation, reader, metadata)
         finally:
@@ -361,12 +359,7 @@ class _TensorSource:
     def tensor(self, key: str, meta: TensorStorageMetadata) -> torch.Tensor:
         """The full tensor ``key``, assembled from however many shards hold it."""
         target = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            try:
-                dcp.load(target, storage_reader=self.reader.storage_reader, no_dist=True)
-            except (CheckpointException, Exception) as exc:  # a BaseException; surface ours as ours
-                raise _verification_error(self.reader, exc) or exc from exc
+        load_in_process(target, self.reader)
         progress.advance(target[key].numel() * target[key].element_size())
         return target[key]
 
@@ -382,9 +375,3 @@ class _TensorSource:
             stream.seek(info.offset)
             return stream.read(info.length)
 
-
-def _verification_error(reader: GenerationReader, exc: BaseException) -> ValidationError | None:
-    if reader.errors:
-        return reader.errors[0]
-    failures = getattr(exc, "failures", {}).values()
-    return next((failure for failure, _ in failures if isinstance(failure, ValidationError)), None)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import DistCkptError, StorageError, ValidationError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.validate import check_sizes, check_structure
-from ..storage.base import Backend
+from ..storage.base import Store
 
 DONE_NAME = "DONE.json"
 DONE_FORMAT = 1
@@ -50,14 +50,14 @@ def record_for(manifest: Manifest, manifest_raw: bytes, *, run_id: str | None,
                       dist_ckpt_version=version)
 
 
-def write_done(backend: Backend, record: DoneRecord) -> None:
-    backend.put_bytes(DONE_NAME, record.model_dump_json(indent=1).encode("utf-8"))
+def write_done(store: Store, record: DoneRecord) -> None:
+    store.put_bytes(DONE_NAME, record.model_dump_json(indent=1).encode("utf-8"))
 
 
-def read_done(backend: Backend) -> DoneRecord | None:
+def read_done(store: Store) -> DoneRecord | None:
     """The DONE record under the root, None when there is none; a corrupt one raises."""
     try:
-        raw = backend.read_bytes(DONE_NAME)
+        raw = store.read_bytes(DONE_NAME)
     except (FileNotFoundError, StorageError):
         return None
     try:
@@ -66,15 +66,15 @@ def read_done(backend: Backend) -> DoneRecord | None:
         raise ValidationError(f"{DONE_NAME} is corrupt: {exc}", path=DONE_NAME) from exc
 
 
-def check_done(backend: Backend, *, contract_digest: str | None,
-               mirror: Backend | None = None) -> tuple[DoneRecord | None, str]:
+def check_done(store: Store, *, contract_digest: str | None,
+               mirror: Store | None = None) -> tuple[DoneRecord | None, str]:
     """``(record, "")`` for a DONE that holds for this run, else ``(None, why not)``.
 
     The final generation must be committed here with exactly the recorded manifest; its files
     must be complete here or, for a node-local copy that holds only this node's shards, in the
     mirror (a committed copy of the same generation and contract)."""
     try:
-        record = read_done(backend)
+        record = read_done(store)
     except ValidationError as exc:
         return None, str(exc)
     if record is None:
@@ -84,14 +84,14 @@ def check_done(backend: Backend, *, contract_digest: str | None,
                       f"run's {contract_digest[:19]}")
     name = record.generation
     try:
-        raw = backend.read_bytes(f"{name}/{MANIFEST_NAME}")
+        raw = store.read_bytes(f"{name}/{MANIFEST_NAME}")
         if hashlib.sha256(raw).hexdigest() != record.manifest_sha256:
             return None, f"{DONE_NAME} names {name}, whose manifest has changed"
-        manifest = check_structure(backend, name)
+        manifest = check_structure(store, name)
     except (OSError, DistCkptError) as exc:
         return None, f"{DONE_NAME} names {name}, which does not validate: {exc}"
     try:
-        check_sizes(backend, name, manifest)
+        check_sizes(store, name, manifest)
         return record, ""
     except (OSError, DistCkptError) as exc:
         local_problem = str(exc)

@@ -41,14 +41,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from .. import progress
@@ -62,8 +60,9 @@ from ..format.manifest import (
     check_relative_path,
 )
 from ..format.validate import check_digests, check_sizes, check_structure
-from ..storage.base import Backend
-from ..storage.local import fsync_dir
+from ..restore.loader import load_in_process
+from ..storage.base import Store
+from ..storage.local import file_digest, fsync_dir, write_durable
 from ..tiers import CommitTier, GenerationReader, TierOptions, open_tier
 from ..version import __version__
 from .safetensors_file import ST_DTYPES, byte_view, write_safetensors
@@ -118,7 +117,7 @@ class _Entry:
 
 @dataclass
 class _Source:
-    backend: Backend
+    store: Store
     name: str
     manifest: Manifest
     manifest_sha256: str
@@ -194,14 +193,14 @@ def _publish(tmp: str, out: str) -> None:
 # ---- the source generation -----------------------------------------------------------------
 def _open_source(tier: CommitTier, generation: str | None, key: bytes | None,
                  cache_dir: str | None) -> _Source:
-    backend = tier.store
-    name = generation if generation is not None else newest_committed(backend, key)
+    store = tier.store
+    name = generation if generation is not None else newest_committed(store, key)
     if name is None:
-        raise ValidationError(f"no committed generation under {backend.root}")
+        raise ValidationError(f"no committed generation under {store.root}")
     check_generation_name(name)
-    manifest = check_structure(backend, name, key=key)
-    check_sizes(backend, name, manifest)
-    raw = backend.read_bytes(f"{name}/{MANIFEST_NAME}")
+    manifest = check_structure(store, name, key=key)
+    check_sizes(store, name, manifest)
+    raw = store.read_bytes(f"{name}/{MANIFEST_NAME}")
     if Manifest.from_bytes(raw, generation=name) != manifest:
         raise ValidationError(f"{name}: manifest changed during export", generation=name,
                               path=MANIFEST_NAME)
@@ -211,7 +210,7 @@ def _open_source(tier: CommitTier, generation: str | None, key: bytes | None,
     except BaseException:
         reader.close()
         raise
-    return _Source(backend, name, manifest, hashlib.sha256(raw).hexdigest(), reader, metadata,
+    return _Source(store, name, manifest, hashlib.sha256(raw).hexdigest(), reader, metadata,
                    [METADATA_FILE])
 
 
@@ -252,25 +251,14 @@ def _verify_files_read(source: _Source, entries: list[_Entry]) -> None:
             raise ValidationError(f"{source.name}: DCP metadata names {path}, which the manifest "
                                   "does not list", generation=source.name, path=path)
     if not source.reader.hashes_on_read:
-        check_digests(source.backend, source.name, source.manifest, files)
+        check_digests(source.store, source.name, source.manifest, files)
     source.verified += files
 
 
 # ---- loading ---------------------------------------------------------------------------------
-def _dcp_load(source: _Source, template: dict[str, Any]) -> None:
-    try:
-        with warnings.catch_warnings():  # no process group is the point, not a mistake
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(template, storage_reader=source.reader.storage_reader, no_dist=True)
-    except Exception as exc:  # DCP wraps failures; a verification failure is ours to report
-        if source.reader.errors:
-            raise source.reader.errors[0] from exc
-        raise
-
-
 def _load_batch(source: _Source, batch: list[_Entry]) -> dict[str, torch.Tensor]:
     model = {e.name: torch.empty(e.shape, dtype=e.source_dtype) for e in batch}
-    _dcp_load(source, {"model": model})
+    load_in_process({"model": model}, source.reader)
     return model
 
 
@@ -291,7 +279,7 @@ def _optimizer_params(source: _Source) -> set[str] | None:
     groups: list[dict[str, Any]] = [{} for _ in range(1 + max(int(mapping[k][2]) for k in keys))]
     for key in keys:
         groups[int(mapping[key][2])]["params"] = None
-    _dcp_load(source, {"optim": {"param_groups": groups}})
+    load_in_process({"optim": {"param_groups": groups}}, source.reader)
     return {str(name) for group in groups for name in (group.get("params") or [])}
 
 
@@ -380,19 +368,7 @@ def _name_shards(tmp: str, parts: list[tuple[str, list[str], str]]) -> tuple[dic
 
 
 def _write_json(path: str, value: Any) -> None:
-    with open(path, "x", encoding="utf-8") as handle:
-        json.dump(value, handle, indent=1)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _file_digest(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    write_durable(path, f"{json.dumps(value, indent=1)}\n".encode())
 
 
 def _write_release(source: _Source, root: str, entries: list[_Entry], skipped: list[str], tmp: str,
@@ -402,7 +378,7 @@ def _write_release(source: _Source, root: str, entries: list[_Entry], skipped: l
     written = [e for e in entries if e.name in weight_map]
     total = sum(e.nbytes for e in written)
     _write_json(os.path.join(tmp, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
-    files[INDEX_NAME] = _file_digest(os.path.join(tmp, INDEX_NAME))
+    files[INDEX_NAME] = file_digest(os.path.join(tmp, INDEX_NAME), "sha256")[1]
     release = {
         "format": "dist_ckpt-release/1", "source_root": root, "generation": source.name,
         "next_update": source.manifest.next_update, "manifest_sha256": source.manifest_sha256,

@@ -18,7 +18,7 @@ from ..format.signing import SIGNATURE_NAME
 from ..format.validate import list_generations, read_manifest
 from ..protocol.comm import Comm
 from ..protocol.messages import PINS_KEY
-from ..storage.base import Backend, Store, read_bounded
+from ..storage.base import Store, read_bounded
 from ..tiers.base import CommitTier
 
 log = logs.get(__name__)
@@ -36,20 +36,18 @@ def to_drop(names: list[str], *, keep_last: int, pinned: frozenset[str] = frozen
             and not (keep_every and (parse_generation(n) or 0) % keep_every == 0)]
 
 
-def read_pins(backend: Backend) -> dict[str, str]:
+def read_pins(store: Store) -> dict[str, str]:
     """Pinned generation -> label; an unreadable pins file pins nothing and says so
     (``StorageError``, whatever the bytes: a FIFO or link is refused unopened, deep nesting,
     non-UTF-8 bytes and wrong JSON types are corrupt)."""
     max_bytes = 16 << 20  # a pin is ~50 bytes: far more pins than any root holds generations
     try:
-        raw = read_bounded(backend, PINS_NAME, max_bytes)  # a FIFO would block a plain read
+        raw = read_bounded(store, PINS_NAME, max_bytes)  # a FIFO would block a plain read
     except (FileNotFoundError, StorageError):
         return {}
     except ValidationError as exc:
-        raise StorageError(f"{backend.url(PINS_NAME)} is corrupt: {exc}") from exc
+        raise StorageError(f"{store.url(PINS_NAME)} is corrupt: {exc}") from exc
     try:
-        if len(raw) > max_bytes:
-            raise ValueError(f"{len(raw)} bytes, over the {max_bytes} byte bound")
         pins = json.loads(raw)["pins"]  # non-UTF-8 bytes: UnicodeDecodeError, a ValueError
         if not isinstance(pins, dict):
             raise TypeError(f"'pins' is a {type(pins).__name__}, not an object")
@@ -62,7 +60,7 @@ def read_pins(backend: Backend) -> dict[str, str]:
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, ValidationError) as exc:
         # RecursionError: deeply nested JSON (json.loads recurses once per level)
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
-        raise StorageError(f"{backend.url(PINS_NAME)} is corrupt: {why}") from exc
+        raise StorageError(f"{store.url(PINS_NAME)} is corrupt: {why}") from exc
 
 
 @dataclass(frozen=True)
@@ -74,34 +72,34 @@ class PinChange:
     previous: str | None
 
 
-def change_pin(backend: Backend, generation: str, label: str | None) -> PinChange:
+def change_pin(store: Store, generation: str, label: str | None) -> PinChange:
     """Pin (``label`` given) or unpin (None) ``generation``; ``pins.json`` is rewritten only
     when something changes. Pinning needs a committed generation; unpinning does not (a
     generation deleted by hand can still be unpinned)."""
     check_generation_name(generation)
-    pins = read_pins(backend)
+    pins = read_pins(store)
     previous = pins.get(generation)
     if label is None:
         pins.pop(generation, None)
     else:
-        if not backend.exists(f"{generation}/{MANIFEST_NAME}"):
-            raise ValidationError(f"{generation} is not a committed generation under {backend.root}",
+        if not store.exists(f"{generation}/{MANIFEST_NAME}"):
+            raise ValidationError(f"{generation} is not a committed generation under {store.root}",
                                   generation=generation)
         pins[generation] = label
     if pins.get(generation) != previous:
-        write_pins(backend, pins)
+        write_pins(store, pins)
     return PinChange(pins, previous)
 
 
-def set_pin(backend: Backend, generation: str, label: str | None) -> dict[str, str]:
+def set_pin(store: Store, generation: str, label: str | None) -> dict[str, str]:
     """Pin (``label`` given) or unpin (None) ``generation``; returns the new pins."""
-    return change_pin(backend, generation, label).pins
+    return change_pin(store, generation, label).pins
 
 
-def write_pins(backend: Backend, pins: dict[str, str]) -> None:
+def write_pins(store: Store, pins: dict[str, str]) -> None:
     """Replace the root's ``pins.json``. One writer at a time (rank 0 or an operator's CLI):
     a read-modify-write racing another loses one of the two changes."""
-    backend.put_bytes(PINS_NAME, json.dumps({"pins": dict(sorted(pins.items()))}, indent=1).encode())
+    store.put_bytes(PINS_NAME, json.dumps({"pins": dict(sorted(pins.items()))}, indent=1).encode())
 
 
 @dataclass
@@ -114,7 +112,7 @@ class PrunePlan:
     multipart_aborted: int = 0
 
 
-def pin_on_all_ranks(comm: Comm, backend: Backend, mirror: Backend | None, generation: str,
+def pin_on_all_ranks(comm: Comm, store: Store, mirror: Store | None, generation: str,
                      label: str | None) -> dict[str, str]:
     """``CheckpointManager.pin`` (all ranks, collective): rank 0 changes the pins (in the
     mirror too, so that a prune of the mirror alone keeps them) and publishes them to the
@@ -122,7 +120,7 @@ def pin_on_all_ranks(comm: Comm, backend: Backend, mirror: Backend | None, gener
     outcome: tuple[dict[str, str] | None, str | None] = (None, None)
     if comm.rank == 0:
         try:
-            pins = set_pin(backend, generation, label)
+            pins = set_pin(store, generation, label)
             if mirror is not None:
                 write_pins(mirror, pins)
             comm.publish_names(PINS_KEY, pins)

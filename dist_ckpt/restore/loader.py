@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -42,7 +43,7 @@ from ..restart import codec, rng
 from ..restart import contract as contract_mod
 from ..restart.state import TrainState
 from ..storage.base import StoreReader
-from ..tiers.base import CommitTier
+from ..tiers.base import CommitTier, GenerationReader
 from . import optim_targets
 from .layout import check_layout
 from .onepass import OnePassReader, own_shards
@@ -93,14 +94,14 @@ def select_generation(comm: Comm, tiers: list[CommitTier], *, digests: bool = Tr
     return None, None, None, rejected
 
 
-def _listing(backend: StoreReader) -> set[str]:
+def _listing(store: StoreReader) -> set[str]:
     try:
-        return set(list_generations(backend))
+        return set(list_generations(store))
     except StorageError:
         return set()
 
 
-def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests: bool,
+def validate_everywhere(comm: Comm, store: StoreReader, name: str, *, digests: bool,
                          key: bytes | None, shards_on_load: bool = False,
                          same_world: bool = False) -> Manifest | Problem:
     """Rank 0 checks structure and sizes; the digest check is split across ranks (all of it,
@@ -109,9 +110,9 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
     digest is computed, with that reason."""
     if comm.rank == 0:
         try:
-            checked = check_structure(backend, name, key=key)
+            checked = check_structure(store, name, key=key)
             if not same_world:  # node copies: each rank checks its node's files below
-                check_sizes(backend, name, checked)
+                check_sizes(store, name, checked)
             verdict: str | Problem = checked.model_dump_json()
         except Exception as exc:  # noqa: BLE001 - any failure rejects it; peers wait on the broadcast
             verdict = Problem(name, _reason(exc), getattr(exc, "path", None),
@@ -138,10 +139,10 @@ def validate_everywhere(comm: Comm, backend: StoreReader, name: str, *, digests:
         hashed = set(mine) if digests else set(mine) & ALWAYS_HASHED
         if shards_on_load:
             hashed = {p for p in hashed if p in ALWAYS_HASHED or not p.startswith(f"{DCP_DIR}/")}
-        check_digests(backend, name, manifest, hashed)
+        check_digests(store, name, manifest, hashed)
         # the rest of this rank's share by size (a node-local copy may lack other nodes'
         # files); a hashed file needs no size check: a missing or resized one fails its digest
-        check_sizes(backend, name, manifest.model_copy(
+        check_sizes(store, name, manifest.model_copy(
             update={"files": [f for f in manifest.files if f.path in set(mine) - hashed]}))
     except Exception as exc:  # noqa: BLE001 - reported through the all-gather, never raised alone
         problem = Problem(name, _reason(exc), getattr(exc, "path", None))
@@ -192,21 +193,49 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
     except BaseException:
         optim_targets.discard(state, prebuilt)  # the next candidate starts from no state
         raise
-    backend = tier.store
+    store = tier.store
     state.load_tensor_state(template)
 
-    raw_global = read_verified(backend, name, manifest, GLOBAL_STATE_FILE, validated=True)
+    raw_global = read_verified(store, name, manifest, GLOBAL_STATE_FILE, validated=True)
     saved_global = codec.loads(raw_global, what=f"{name}/{GLOBAL_STATE_FILE}")
     state.load_global_state(saved_global, wanted)
     if "rng" in wanted:  # last: constructing and loading must not consume restored streams
         if comm.rank < manifest.world_size:
             own = rank_state_file(comm.rank)
-            saved_rank = codec.loads(read_verified(backend, name, manifest, own, validated=True))
+            saved_rank = codec.loads(read_verified(store, name, manifest, own, validated=True))
             state.load_rank_state(saved_rank)
         else:
-            base = codec.loads(read_verified(backend, name, manifest, rank_state_file(0), validated=True))
+            base = codec.loads(read_verified(store, name, manifest, rank_state_file(0), validated=True))
             state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
     return result
+
+
+def verification_failures(exc: BaseException, errors: list[ValidationError], rank: int = 0
+                          ) -> dict[int, ValidationError]:
+    """The verification failures behind a failed ``dcp.load``, by rank (empty when ``exc`` is
+    another failure). DCP wraps what each rank raised in a ``CheckpointException``
+    (``failures``: rank -> (exception, traceback)), so ours are found there by type; the
+    reader's ``errors`` (what it raised, which DCP may have rewrapped) stand for ``rank`` when
+    DCP carries none for it. Catch ``CheckpointException`` explicitly: it is a BaseException."""
+    failed = {r: failure for r, (failure, _) in getattr(exc, "failures", {}).items()
+              if isinstance(failure, ValidationError)}
+    if errors:
+        failed.setdefault(rank, errors[0])
+    return failed
+
+
+def load_in_process(template: dict[str, Any], reader: GenerationReader) -> None:
+    """``dcp.load`` into ``template`` in this process alone (the offline tools: no process
+    group); a verification failure is raised as itself, not wrapped by DCP."""
+    try:
+        with warnings.catch_warnings():  # no process group is the point, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, storage_reader=reader.storage_reader, no_dist=True)
+    except (CheckpointException, Exception) as exc:  # a BaseException; surface ours as ours
+        failed = verification_failures(exc, reader.errors)
+        if failed:
+            raise failed[min(failed)] from exc
+        raise
 
 
 def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
@@ -233,10 +262,7 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
                 dcp.load(template, storage_reader=storage_reader)
         return template
     except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
-        failed = {rank: failure for rank, (failure, _) in getattr(exc, "failures", {}).items()
-                  if isinstance(failure, ValidationError)}
-        if reader.errors:
-            failed.setdefault(comm.rank, reader.errors[0])
+        failed = verification_failures(exc, reader.errors, comm.rank)
         if not failed:
             raise
         detail = "; ".join(f"rank {rank}: {failure}" for rank, failure in sorted(failed.items()))

@@ -16,10 +16,8 @@ from ..format.manifest import parse_generation
 from ..format.validate import Problem
 from ..protocol.comm import Comm
 from ..tiers.base import CommitTier
-from ..tiers.rejected import REASON_NAME, REJECTED_DIR, move_aside
 
 log = logs.get(__name__)
-__all__ = ["REASON_NAME", "REJECTED_DIR", "blocking", "move_aside", "move_blocking"]
 
 
 def blocking(rejected: list[Problem], chosen: str | None, tier_url: str) -> list[Problem]:

@@ -20,7 +20,6 @@ from ..context import Context
 from ..errors import (
     StorageError,
     UnsafeFileError,
-    UnsafeNameError,
     UntrustedGenerations,
     ValidationError,
 )
@@ -28,10 +27,8 @@ from ..format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
-    MAX_POINTER_BYTES,
-    LatestPointer,
     Manifest,
-    check_generation_name,
+    read_latest_pointer,
 )
 from ..format.validate import Problem
 from ..storage.base import read_bounded
@@ -117,20 +114,19 @@ def pointer_warnings(ctx: Context) -> list[str]:
     its manifest is worth a warning (restore never trusts the pointer, but a person reading
     the root does)."""
     store, root = ctx.tiers.root.store, ctx.config.root
+    chosen = "the generation was chosen by validation, as always"
     try:
-        raw = read_bounded(store, LATEST_NAME, MAX_POINTER_BYTES)  # never a FIFO or a link
+        pointer = read_latest_pointer(store)
     except (FileNotFoundError, StorageError):
         return []
-    except ValidationError as exc:
-        return [f"{LATEST_NAME} under {root} is unusable ({exc}); the generation was chosen by "
-                "validation, as always"]
+    except UnsafeFileError as exc:  # never a FIFO or a link
+        return [f"{LATEST_NAME} under {root} is unusable ({exc}); {chosen}"]
+    except ValidationError as exc:  # not a pointer, or names no generation
+        return [f"{LATEST_NAME} under {root} is corrupt ({type(exc).__name__}); {chosen}"]
     try:
-        pointer = LatestPointer.model_validate_json(raw)
-        check_generation_name(pointer.generation)  # a name from a file: never a path
         manifest_raw = read_bounded(store, f"{pointer.generation}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
-    except (ValueError, UnsafeNameError, UnsafeFileError) as exc:
-        return [f"{LATEST_NAME} under {root} is corrupt ({type(exc).__name__}); the generation "
-                "was chosen by validation, as always"]
+    except UnsafeFileError as exc:
+        return [f"{LATEST_NAME} under {root} is corrupt ({type(exc).__name__}); {chosen}"]
     except (FileNotFoundError, StorageError, OSError):
         return [f"{LATEST_NAME} points at {pointer.generation}, which is missing under {root}"]
     if hashlib.sha256(manifest_raw).hexdigest() != pointer.manifest_sha256:

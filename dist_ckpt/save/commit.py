@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from .. import faults
 from ..errors import GenerationExists
-from ..format.manifest import DCP_DIR, FORMAT_VERSION, FileEntry, Manifest
+from ..format.manifest import DCP_DIR, FORMAT_VERSION, METADATA_FILE, METADATA_NAME, FileEntry, Manifest
 from ..protocol import messages
 from ..protocol.comm import Comm
 from ..protocol.messages import CommitOutcome, RankReport
@@ -93,8 +93,8 @@ def _write_dcp_metadata(request: SaveRequest, results: list) -> FileEntry:
     metadata = copy.copy(request.prepared.metadata)
     writer = FileSystemWriter(dcp_dir, sync_files=True)
     writer.finish(metadata, results)
-    path = os.path.join(dcp_dir, ".metadata")
+    path = os.path.join(dcp_dir, METADATA_NAME)
     # DCP fsyncs .metadata before flushing its buffer; fsync the finished file ourselves
     fsync_file(path)
     size, digest = file_digest(path, request.digest_algorithm)
-    return FileEntry.of(f"{DCP_DIR}/.metadata", size, request.digest_algorithm, digest, rank=0)
+    return FileEntry.of(METADATA_FILE, size, request.digest_algorithm, digest, rank=0)

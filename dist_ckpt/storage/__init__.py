@@ -4,6 +4,6 @@ Owns: durable local writes (fsync, atomic replace) and object-store access. May 
 ``errors``, ``logs``. Knows nothing of manifests, generations or DCP.
 """
 
-from .base import Backend, Store, StoreReader, StoreWriter, open_backend, open_store
+from .base import Store, StoreReader, StoreWriter, open_store
 
-__all__ = ["Backend", "Store", "StoreReader", "StoreWriter", "open_backend", "open_store"]
+__all__ = ["Store", "StoreReader", "StoreWriter", "open_store"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import IO, Any, Protocol
 
+from ..errors import UnsafeFileError
+
 
 class StoreReader(Protocol):
     root: str
@@ -60,14 +62,14 @@ class Store(StoreReader, StoreWriter, Protocol):
     """Read and write access below one root."""
 
 
-Backend = Store  # the name the rest of the code base grew up with
-
-
 def read_bounded(store: StoreReader, rel: str, limit: int) -> bytes:
     """A small file's bytes: only a regular file reached without a link (a FIFO would block
     the reader), at most ``limit`` bytes; raises as ``checked_size`` and ``read_bytes`` do."""
     store.checked_size(rel, limit=limit)
-    return store.read_bytes(rel)
+    raw = store.read_bytes(rel)
+    if len(raw) > limit:  # it grew after the check
+        raise UnsafeFileError(f"{len(raw)} bytes, over the {limit} byte bound")
+    return raw
 
 
 def is_remote(root: str) -> bool:
@@ -77,15 +79,12 @@ def is_remote(root: str) -> bool:
 def open_store(root: str, storage_options: dict[str, Any] | None = None) -> Store:
     """A local store for paths and ``file://``; an fsspec object store otherwise."""
     if is_remote(root):
-        from .objectstore import ObjectStoreBackend
+        from .objectstore import ObjectStore
 
-        return ObjectStoreBackend(root, storage_options)
-    from .local import LocalBackend
+        return ObjectStore(root, storage_options)
+    from .local import LocalStore
 
-    return LocalBackend(root.removeprefix("file://"))
-
-
-open_backend = open_store
+    return LocalStore(root.removeprefix("file://"))
 
 
 def parent_url(root: str, levels: int) -> str | None:

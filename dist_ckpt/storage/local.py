@@ -38,29 +38,28 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` durably: unique tmp name, fsync, rename, dir fsync."""
-    directory = os.path.dirname(path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
-
-
 def write_durable(path: str, data: bytes) -> None:
     """Write a new file and fsync it (no rename: used inside a private pending directory)."""
     with open(path, "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` durably: readers see the old bytes or the new, never
+    part of them. The one temporary-file-then-rename of the library: unique tmp name in the
+    same directory, fsync, rename, directory fsync."""
+    directory = os.path.dirname(path)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write_durable(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
 
 
 def open_regular(path: str) -> BinaryIO:
@@ -89,8 +88,8 @@ def file_digest(path: str, algorithm: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-class LocalBackend:
-    """Backend over a local (or shared POSIX) directory."""
+class LocalStore:
+    """A store over a local (or shared POSIX) directory."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)

@@ -29,8 +29,8 @@ SINGLE_PUT_LIMIT = 5 << 30  # S3's limit of one PUT
 ABORT_WAIT_S = 60.0
 
 
-class ObjectStoreBackend:
-    """Backend over an fsspec URL; keys are ``<root>/<rel>``."""
+class ObjectStore:
+    """A store over an fsspec URL; keys are ``<root>/<rel>``."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None, *,
                  checksums: bool = True) -> None:

@@ -54,12 +54,6 @@ log = logs.get(__name__)
 
 
 # ---- one name per attempt ----------------------------------------------------------------
-def pending_dir_name(generation: str, attempt_id: str) -> str:
-    """The private local directory of an attempt (renamed to ``generation`` on commit in a
-    rename tier; scratch before upload in an object-store tier)."""
-    return f"{PENDING_PREFIX}{generation}-{attempt_id}"
-
-
 def attempt_prefix(attempt_id: str) -> str:
     """Where an attempt's objects live inside the generation on a store without rename."""
     return f"attempt-{attempt_id}"

@@ -25,17 +25,16 @@ from typing import Any
 
 from .. import faults, logs
 from ..errors import GenerationExists, StorageError
-from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, pending_dir_name
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, check_structure, move_latest
 from ..storage import checksum
 from ..storage.base import is_remote
-from ..storage.objectstore import ObjectStoreBackend
+from ..storage.objectstore import ObjectStore
 from .base import (
     GenerationReader,
     attempt_prefix,
     orphan_attempts,
-    pending_dir_name,
     register_tier,
     remove_own_files,
     remove_stale_pending,
@@ -47,7 +46,7 @@ log = logs.get(__name__)
 _READ_BACK_ROOTS: set[str] = set()  # stores that report no checksum: warned once each
 
 
-def upload_files(store: ObjectStoreBackend, local_base: str, prefix: str, entries: list[dict], *,
+def upload_files(store: ObjectStore, local_base: str, prefix: str, entries: list[dict], *,
                  concurrency: int = 4) -> None:
     """Upload and verify this rank's files (all ranks call this for their own entries).
 
@@ -78,7 +77,7 @@ def upload_files(store: ObjectStoreBackend, local_base: str, prefix: str, entrie
         list(pool.map(one, entries))
 
 
-def verify_upload(store: ObjectStoreBackend, rel: str, entry: dict, sent: str | None) -> None:
+def verify_upload(store: ObjectStore, rel: str, entry: dict, sent: str | None) -> None:
     """Size and transport checksum from one HEAD when ``sent`` is the checksum the upload sent;
     else (read-back mode, or a store that reports no checksum) size, then the manifest digest
     of the bytes read back."""
@@ -166,7 +165,7 @@ class ObjectStoreTier:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  scratch_root: str | None = None, concurrency: int = 4,
                  upload_verification: str = "checksum") -> None:
-        self.store = ObjectStoreBackend(url, storage_options, checksums=upload_verification == "checksum")
+        self.store = ObjectStore(url, storage_options, checksums=upload_verification == "checksum")
         self.url = self.store.root
         self.local_root = scratch_root or tempfile.gettempdir()
         self.local_ranks: frozenset[int] | None = None  # one copy: every rank's files

@@ -17,16 +17,23 @@ import shutil
 from .. import faults, logs
 from ..digests import hasher
 from ..errors import GenerationExists
-from ..format.manifest import DCP_DIR, MANIFEST_NAME, STATE_DIR, FileEntry, Manifest, parse_generation
+from ..format.manifest import (
+    DCP_DIR,
+    MANIFEST_NAME,
+    STATE_DIR,
+    FileEntry,
+    Manifest,
+    parse_generation,
+    pending_dir_name,
+)
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_entry, check_sizes, move_latest
 from ..storage.base import is_remote
 from ..storage.directio import durable_file, resolve_direct_io
-from ..storage.local import LocalBackend, fsync_dir, write_durable
+from ..storage.local import LocalStore, fsync_dir, write_durable
 from .base import (
     GenerationReader,
     LocalFilesReader,
-    pending_dir_name,
     register_tier,
     remove_own_files,
     remove_stale_pending,
@@ -133,7 +140,7 @@ class RenameTier:
 
     def __init__(self, root: str, local_ranks: frozenset[int] | None = None, *,
                  direct_io: bool | str = "auto") -> None:
-        self.store = LocalBackend(root)
+        self.store = LocalStore(root)
         self.root = self.store.root
         self.url = self.root
         self.local_root = self.root

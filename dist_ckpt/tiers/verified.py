@@ -31,10 +31,10 @@ from ..storage.objectstore import READ_CHUNK
 
 
 class _DownloadingFileSystem(FileSystem):
-    def __init__(self, backend: StoreReader, remote_dir: str, local_dir: str,
+    def __init__(self, store: StoreReader, remote_dir: str, local_dir: str,
                  manifest: Manifest, generation: str) -> None:
         super().__init__()
-        self.backend = backend
+        self.store = store
         self.remote_dir = remote_dir
         self.local_dir = Path(local_dir)
         self.manifest = manifest
@@ -65,7 +65,7 @@ class _DownloadingFileSystem(FileSystem):
         digest, received = hasher(entry.algorithm), 0
         partial = local.with_name(local.name + ".partial")
         local.parent.mkdir(parents=True, exist_ok=True)
-        with self.backend.open_read(f"{self.remote_dir}/{rel}") as source, open(partial, "wb") as sink:
+        with self.store.open_read(f"{self.remote_dir}/{rel}") as source, open(partial, "wb") as sink:
             while chunk := source.read(READ_CHUNK):
                 received += len(chunk)
                 if received > entry.size:  # never store more than the manifest allows
@@ -92,13 +92,13 @@ class VerifiedObjectReader(FileSystemReader):
     hashes_on_read = True
     needs_local_copy = False
 
-    def __init__(self, backend: StoreReader, generation: str, manifest: Manifest,
+    def __init__(self, store: StoreReader, generation: str, manifest: Manifest,
                  scratch_parent: str | None = None) -> None:
         if scratch_parent is not None:
             os.makedirs(scratch_parent, exist_ok=True)
         self.local_dir = tempfile.mkdtemp(prefix="dist_ckpt-restore-", dir=scratch_parent)
         super().__init__(self.local_dir)
-        self.fs = _DownloadingFileSystem(backend, f"{generation}/{manifest.location('dcp')}",
+        self.fs = _DownloadingFileSystem(store, f"{generation}/{manifest.location('dcp')}",
                                          self.local_dir, manifest, generation)
         self.storage_reader = self
         self._metadata: Metadata | None = None

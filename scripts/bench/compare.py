@@ -136,14 +136,14 @@ def measure_saves(job: Job, methods: dict[str, Method], repeats: int,
 
 def generation_dcp_dir(root: str) -> tuple[str, str]:
     """The newest committed generation under ``root`` and its DCP directory."""
-    from dist_ckpt.format.manifest import DCP_DIR
+    from dist_ckpt.format.manifest import METADATA_FILE
     from dist_ckpt.format.validate import list_generations, validate
     from dist_ckpt.tiers import open_tier
 
     tier = open_tier(root)
     name = list_generations(tier.store)[0]
     manifest = validate(tier.store, name, digests=False)
-    location = os.path.dirname(manifest.location(f"{DCP_DIR}/.metadata"))
+    location = os.path.dirname(manifest.location(METADATA_FILE))
     return name, os.path.join(root, name, location)
 
 

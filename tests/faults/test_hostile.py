@@ -70,12 +70,13 @@ from dist_ckpt.format.manifest import (
     check_relative_path,
     parse_generation,
     read_latest_name,
+    read_latest_pointer,
 )
 from dist_ckpt.format.signing import KEY_ENV, SIGNATURE_NAME, sign, verify
 from dist_ckpt.format.validate import list_generations, read_manifest, read_verified, validate
 from dist_ckpt.ops.retention import PINS_NAME, read_pins
 from dist_ckpt.restore.loader import RestoreResult
-from dist_ckpt.storage.local import LocalBackend
+from dist_ckpt.storage.local import LocalStore
 from tests.helpers.local_jobs import make_state, two_generations
 
 GEN1 = "gen-000000000001"
@@ -404,7 +405,7 @@ def test_hostile_generation(name: str, template: Path, signed_template: Path, tm
     if case.signed:
         monkeypatch.setenv(KEY_ENV, KEY)
     marker = case.plant(root, tmp_path)
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     with FifoWatch(fifos_under(root)) as fifos:
         # the library's validation: the newest generation is refused with a named file
         with pytest.raises(case.error) as caught:
@@ -473,7 +474,7 @@ def test_huge_declared_sizes_allocate_nothing(template: Path, tmp_path: Path) ->
     entry_of(doc, GLOBAL_STATE_FILE)["size"] = 2**62
     doc["total_bytes"] = 2**63
     write_doc(root, doc)
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     manifest = read_manifest(backend, GEN2)
     tracemalloc.start()
     try:
@@ -521,7 +522,7 @@ def test_generation_names_that_are_not_numbers(template: Path, tmp_path: Path,
         shutil.copytree(root / GEN2, root / name)
     os.mkdir(os.path.join(os.fsencode(root), b"gen-\xff\xfe0000000003"))  # not UTF-8
     os.mkdir(os.path.join(os.fsencode(root), b".pending-gen-000000000004-\xff"))
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     assert list_generations(backend) == [GEN2, GEN1]
     for name in impostors:
         code, _, err = run_cli(capsys, "verify", str(root), name)
@@ -588,6 +589,12 @@ LATEST_CASES: dict[str, Callable[[Path, Path], None]] = {
     "latest-fifo": _latest_fifo,
     "latest-symlink": _latest_link,
 }
+# what the one reader of the pointer raises for each: callers tell the cases apart by type
+LATEST_ERRORS: dict[str, type[Exception]] = {
+    "latest-dotdot": UnsafeNameError, "latest-absolute": UnsafeNameError,
+    "latest-not-a-number": UnsafeNameError, "latest-oversized": UnsafeFileError,
+    "latest-deep-nesting": UnsafeFileError, "latest-fifo": UnsafeFileError,
+    "latest-symlink": UnsafeFileError}
 
 
 @pytest.mark.parametrize("name", list(LATEST_CASES))
@@ -596,9 +603,13 @@ def test_hostile_latest_pointer(name: str, template: Path, tmp_path: Path,
     """The pointer is a hint: a hostile one is ignored (None), never followed or opened."""
     root = copy_root(template, tmp_path / "root")
     LATEST_CASES[name](root, tmp_path)
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     with FifoWatch(fifos_under(root)) as fifos:
         assert read_latest_name(backend) is None
+        with pytest.raises(LATEST_ERRORS.get(name, ValidationError)) as raised:
+            read_latest_pointer(backend)
+        assert LATEST_NAME in str(raised.value)
+        assert name in LATEST_ERRORS or type(raised.value) is ValidationError  # corrupt
         # the launcher reads the pointer for its log line and free-space estimate: same rule
         assert launch_runner._latest_update(str(root)) is None
         assert launch_runner._newest_generation_bytes(str(root)) is None
@@ -636,7 +647,7 @@ def test_hostile_pins(name: str, template: Path, tmp_path: Path,
     training (restore) goes on."""
     root = copy_root(template, tmp_path / "root")
     PINS_CASES[name](root, tmp_path)
-    backend = LocalBackend(str(root))
+    backend = LocalStore(str(root))
     with FifoWatch(fifos_under(root)) as fifos:
         with pytest.raises(StorageError, match=PINS_NAME):
             read_pins(backend)
@@ -773,7 +784,11 @@ def test_fuzz_latest_pointer(raw: bytes) -> None:
         assert name is None
     else:
         assert name == pointer.generation and parse_generation(pointer.generation) == pointer.next_update
-    assert isinstance(LatestPointer.replaces(raw, VALID_MANIFEST), bool)
+    try:
+        read = read_latest_pointer(MemoryFiles({LATEST_NAME: raw})).generation
+    except ValidationError:  # corrupt, or naming no generation: the only errors bytes may cause
+        read = None
+    assert read == name
 
 
 @FUZZ

@@ -17,7 +17,7 @@ import pytest
 from dist_ckpt import CheckpointConfig, CheckpointManager, faults
 from dist_ckpt.faults import FaultInjected
 from dist_ckpt.format.validate import read_manifest
-from dist_ckpt.storage.objectstore import ObjectStoreBackend
+from dist_ckpt.storage.objectstore import ObjectStore
 from tests.helpers.local_jobs import make_state, step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -207,5 +207,5 @@ def test_every_point_of_the_mirror_path_fires(tmp_path: Path, s3_root: str) -> N
     assert hits["mirror.upload"] == 1 and hits["mirror.before_publish"] == 1
     # the local rename and the mirror's conditional create
     assert hits["commit.before_rename"] == 2 and hits["commit.after_rename"] == 2
-    remote = read_manifest(ObjectStoreBackend(s3_root), "gen-000000000001")
+    remote = read_manifest(ObjectStore(s3_root), "gen-000000000001")
     assert hits["upload.file"] == len(remote.files)  # one per object the rank replayed

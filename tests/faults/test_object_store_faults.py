@@ -12,14 +12,14 @@ import dist_ckpt.restore.resume as resume_mod
 from dist_ckpt import CheckpointConfig, CheckpointManager, CommitError, faults
 from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.validate import read_manifest
-from dist_ckpt.storage.objectstore import ObjectStoreBackend
+from dist_ckpt.storage.objectstore import ObjectStore
 from tests.helpers.local_jobs import make_state, step, two_generations
 from tests.helpers.matrix import record, timed
 
 
 def test_s3_corrupt_object_falls_back(s3_root: str) -> None:
     two_generations(s3_root)
-    backend = ObjectStoreBackend(s3_root)
+    backend = ObjectStore(s3_root)
     manifest_files = backend.fs.find(f"{backend.base}/gen-000000000002")
     shard = next(f for f in manifest_files if f.endswith("__0_0.distcp"))
     data = backend.fs.cat_file(shard)
@@ -73,7 +73,7 @@ def test_two_writers_one_generation(s3_root: str) -> None:
         assert mgr.restore().generation == "gen-000000000005"
     for key, value in fresh.model.state_dict().items():  # the winner's bytes, not a mix
         assert torch.equal(value, states[winners[0]].model.state_dict()[key])
-    backend = ObjectStoreBackend(s3_root)
+    backend = ObjectStore(s3_root)
     attempts = [c for c in backend.listdir("gen-000000000005") if c.startswith("attempt-")]
     assert attempts == [read_manifest(backend, "gen-000000000005").data_dir]  # loser's removed
 
@@ -85,7 +85,7 @@ def test_object_swapped_after_validation_is_never_deserialised(
     and its load: the swapped bytes are never deserialised, the generation is rejected naming
     the object, and the same restore() call loads the previous one."""
     two_generations(s3_root)
-    backend = ObjectStoreBackend(s3_root)
+    backend = ObjectStore(s3_root)
     original = resume_mod.select_generation
     swapped: list[str] = []
 

@@ -8,7 +8,7 @@ import signal
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
 from dist_ckpt.save.replay import read_mirror_state
-from dist_ckpt.storage.objectstore import ObjectStoreBackend
+from dist_ckpt.storage.objectstore import ObjectStore
 from tests.helpers.local_jobs import make_state
 from tests.helpers.mirror_runs import FILES_PER_GENERATION, remote_states, run_job
 
@@ -18,7 +18,7 @@ def test_uploader_killed_mid_generation(s3_root: str, tmp_path) -> None:
     kill_on = {"upload.file": {"after": FILES_PER_GENERATION + 1, "kill": True}}
     proc = run_job(root, s3_root, [1, 2], kill_on)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    backend = ObjectStoreBackend(s3_root)
+    backend = ObjectStore(s3_root)
     arrived = backend.fs.find(f"{backend.base}/gen-000000000002")
     assert 0 < len(arrived) < FILES_PER_GENERATION  # some but not all objects arrived
     assert remote_states(s3_root) == {"gen-000000000001": "committed", "gen-000000000002": "invalid"}

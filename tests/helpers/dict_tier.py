@@ -16,7 +16,7 @@ from typing import IO
 
 from dist_ckpt.digests import digest_bytes
 from dist_ckpt.errors import GenerationExists, StorageError, UnsafeFileError
-from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest
+from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest, pending_dir_name
 from dist_ckpt.format.signing import SIGNATURE_NAME, sign
 from dist_ckpt.format.validate import Problem, check_sizes, check_structure, move_latest
 from dist_ckpt.tiers import register_tier
@@ -25,7 +25,6 @@ from dist_ckpt.tiers.base import (
     TierOptions,
     attempt_prefix,
     orphan_attempts,
-    pending_dir_name,
     remove_own_files,
     remove_stale_pending,
     stale_uncommitted,

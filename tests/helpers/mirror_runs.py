@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from dist_ckpt.format.inventory import inventory
-from dist_ckpt.storage.objectstore import ObjectStoreBackend
+from dist_ckpt.storage.objectstore import ObjectStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FILES_PER_GENERATION = 4  # one shard, .metadata, train_state.json, rank-00000.json
@@ -24,4 +24,4 @@ def run_job(root: str, mirror: str, updates: list[int], faults: dict | None = No
 
 
 def remote_states(mirror: str) -> dict[str, str]:
-    return {i.name: i.state for i in inventory(ObjectStoreBackend(mirror), digests=False)}
+    return {i.name: i.state for i in inventory(ObjectStore(mirror), digests=False)}
