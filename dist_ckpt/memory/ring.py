@@ -53,6 +53,7 @@ from ..format.manifest import (
     generation_name,
     parse_generation,
     pending_dir_name,
+    pending_update,
 )
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import check_entry, list_generations
