@@ -13,6 +13,7 @@ from ..errors import StorageError
 from ..format.inventory import inventory
 from ..format.manifest import Manifest
 from ..format.signing import key_from_env
+from ..launcher_api import LAUNCH_LOG_NAME, RUNS_DIR, launch_log_dirs
 from ..save.cadence import (
     Plan,
     Tier,
@@ -23,20 +24,19 @@ from ..save.cadence import (
     parse_tiers,
     step_time_from_log,
 )
-from ..storage.base import Backend, open_backend, parent_url
+from ..storage.base import Backend, open_backend
 from .common import UsageError, human_bytes, open_root
 
-LAUNCH_LOG = "launch-log.jsonl"
-
-PLAN_EPILOG = """\
+PLAN_EPILOG = f"""\
 defaults and where they come from:
   --save-cost   median save_duration_s of the committed generations' manifests under ROOT
-  --step-time   sum(duration_s) / sum(updates) of launch-log.jsonl in ROOT or ROOT/../..
-                (the launcher keeps runs at LAUNCHROOT/runs/<id>/, its log at LAUNCHROOT)
+  --step-time   sum(duration_s) / sum(updates) of {LAUNCH_LOG_NAME} in ROOT or ROOT/../..
+                (the launcher keeps runs at LAUNCHROOT/{RUNS_DIR}/<id>/, its log at LAUNCHROOT)
   generation    total_bytes of the newest committed generation (--generation-bytes overrides)
 
 durations take a unit: 500ms, 0.8s, 5m, 4h, 30d (no unit: seconds).
 
+""" + """\
 --tiers FILE is a JSON file of per-tier rates (no prices are built in; they change):
   {"tiers": [
     {"name": "local NVMe", "read_bytes_per_s": 2e9},
@@ -75,25 +75,20 @@ def plan_save_cost(given: float | None, committed: list[Manifest], root: str) ->
     return found[0], f"median of {found[1]} recorded saves"
 
 
-def launch_log_dirs(root: str) -> list[str]:
-    """ROOT itself, then ROOT's grandparent (the launcher's LAUNCHROOT for LAUNCHROOT/runs/<id>)."""
-    here, launch_root = parent_url(root, 0), parent_url(root, 2)
-    return [d for d in (here, launch_root) if d is not None]
-
-
 def plan_step_time(given: float | None, root: str) -> tuple[float | None, str]:
     if given is not None:
         return given, "--step-time"
     for directory in launch_log_dirs(root):
         try:
-            raw = open_backend(directory).read_bytes(LAUNCH_LOG)
+            raw = open_backend(directory).read_bytes(LAUNCH_LOG_NAME)
         except (StorageError, OSError, ValueError):  # absent or unreadable: try the next place
             continue
         found = step_time_from_log(raw.decode("utf-8", errors="replace"))
         if found is not None:
-            return found.step_time_s, (f"{directory.rstrip('/')}/{LAUNCH_LOG}: {found.duration_s:.0f} s "
+            return found.step_time_s, (f"{directory.rstrip('/')}/{LAUNCH_LOG_NAME}: {found.duration_s:.0f} s "
                                        f"over {found.updates} updates in {found.launches} launch(es)")
-    return None, f"unknown: pass --step-time (or launch with the launcher, whose {LAUNCH_LOG} records it)"
+    return None, (f"unknown: pass --step-time (or launch with the launcher, whose {LAUNCH_LOG_NAME} "
+                  "records it)")
 
 
 def plan_generation(given_bytes: int | None, newest: Manifest | None) -> tuple[int | None, str]:
@@ -241,7 +236,7 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--save-cost", type=duration_arg, default=None, metavar="DUR",
                       help="time training stalls per save, C (default: median recorded under ROOT)")
     plan.add_argument("--step-time", type=duration_arg, default=None, metavar="DUR",
-                      help="seconds per update (default: from the launcher's launch-log.jsonl)")
+                      help=f"seconds per update (default: from the launcher's {LAUNCH_LOG_NAME})")
     plan.add_argument("--run-length", type=duration_arg, default=None, metavar="DUR",
                       help="wall time of the whole run (default 30d)")
     plan.add_argument("--keep-last", type=int, default=None, metavar="K",
