@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from . import logs
 from .errors import (
@@ -34,6 +34,30 @@ LAUNCH_DIR_ENV = "DIST_CKPT_LAUNCH_DIR"
 RUN_ID_ENV = "DIST_CKPT_RUN_ID"
 MIRROR_ENV = "DIST_CKPT_MIRROR"
 REPORT_PREFIX = "rank-"
+
+
+class WorkerFailure(TypedDict):
+    error: str  # the exception's class name
+    message: str
+    permanent: bool  # one of PERMANENT_ERRORS: the launcher does not start again
+
+
+class WorkerReport(TypedDict, total=False):
+    """One rank's ``rank-NNNNN.json``; every field but ``rank`` is absent until written."""
+
+    rank: int  # the writer's global rank (always present in a file read back)
+    root: str  # where it checkpoints (``CheckpointConfig.root``), written when the manager opens
+    mirror: str | None
+    world_size: int
+    pid: int
+    contract_digest: str  # of the training state's contract: which run a DONE record belongs to
+    resumed_from: str | None  # the generation it resumed from, None for a fresh start
+    next_update: int  # the update it resumed at
+    resumed_tier: str | None  # the kind of tier the generation was read from ("memory", "local", ...)
+    rejected: list[str]  # the restore's rejections, as text
+    done: str  # the final generation ``finish()`` recorded in DONE.json
+    failure: WorkerFailure
+
 
 # failures a restart cannot cure: the launcher stops instead of starting again
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
@@ -97,9 +121,9 @@ def read_report(path: str) -> dict[str, Any] | None:
     return loaded if isinstance(loaded, dict) else None
 
 
-def read_reports(directory: str) -> dict[int, dict[str, Any]]:
-    """Every rank report of one start on this node, by rank."""
-    reports: dict[int, dict[str, Any]] = {}
+def read_reports(directory: str) -> dict[int, WorkerReport]:
+    """Every rank report of one start on this node, by rank (the launcher, after the start)."""
+    reports: dict[int, WorkerReport] = {}
     try:
         names = os.listdir(directory)
     except OSError:
@@ -108,5 +132,5 @@ def read_reports(directory: str) -> dict[int, dict[str, Any]]:
         if name.startswith(REPORT_PREFIX) and name.endswith(".json"):
             loaded = read_report(os.path.join(directory, name))
             if loaded is not None and isinstance(loaded.get("rank"), int):
-                reports[loaded["rank"]] = loaded
+                reports[loaded["rank"]] = cast(WorkerReport, loaded)
     return reports

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from torch.distributed.run import get_args_parser
 
+from dist_ckpt.launcher_api import RUNS_DIR, STOP_NAME
+
 DEFAULT_BACKOFF = (10.0, 20.0, 40.0)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -76,7 +78,7 @@ def _run_id(text: str) -> str:
 def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dist_ckpt launcher (everything else is torchrun's)")
     group.add_argument("--checkpoint-root", required=True, metavar="ROOT",
-                       help="local or shared directory: runs/<id>/ holds each run's generations")
+                       help=f"local or shared directory: {RUNS_DIR}/<id>/ holds each run's generations")
     group.add_argument("--max-starts", type=_positive, default=None,
                        help="starts before giving up (default 3; torchrun's --max-restarts N "
                             "means N + 1 starts)")
@@ -85,7 +87,7 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
                                                  "(the last value repeats; default 10,20,40)")
     group.add_argument("--stop-file", default=None, metavar="PATH",
                        help="operator stop: when it exists the workers get SIGTERM and nothing "
-                            "starts again (default ROOT/STOP)")
+                            f"starts again (default ROOT/{STOP_NAME})")
     group.add_argument("--fresh", action="store_true",
                        help="start a new run in a new run directory; earlier runs are kept")
     group.add_argument("--min-free-bytes", type=_bytes, default=None, metavar="BYTES",
@@ -94,7 +96,7 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
                        help="name of the run to start or continue (default: the active run, "
                             "or the next number); give the same one on every node")
     group.add_argument("--mirror", default=None, metavar="URL",
-                       help="object-store URL; each run replicates to URL/runs/<id>")
+                       help=f"object-store URL; each run replicates to URL/{RUNS_DIR}/<id>")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +142,7 @@ def parse(argv: list[str]) -> LaunchOptions:
     args.max_restarts = 0
     return LaunchOptions(
         checkpoint_root=root, max_starts=max_starts or 3, backoff_s=args.backoff,
-        stop_file=os.path.abspath(args.stop_file) if args.stop_file else os.path.join(root, "STOP"),
+        stop_file=os.path.abspath(args.stop_file) if args.stop_file else os.path.join(root, STOP_NAME),
         fresh=args.fresh, min_free_bytes=args.min_free_bytes, run_id=args.run_id,
         mirror=args.mirror.rstrip("/") if args.mirror else None,
         torchrun_argv=["--max-restarts", "0", *torchrun_head, *script_part],

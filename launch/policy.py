@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dist_ckpt.ops.done import check_done
-from dist_ckpt.storage.base import open_store
+from dist_ckpt.launcher_api import WorkerReport, find_done
 
 DONE, FINISHED, STOPPED, PERMANENT, TRANSIENT = "done", "finished", "stopped", "permanent", "transient"
 STOPPED_EXIT = 128 + 15  # a worker that exits on the agent's SIGTERM
@@ -31,25 +30,22 @@ class Verdict:
     reason: str
 
 
-def contract_digest(reports: dict[int, dict[str, Any]]) -> str | None:
+def contract_digest(reports: dict[int, WorkerReport]) -> str | None:
     digests = {r["contract_digest"] for r in reports.values() if r.get("contract_digest")}
     return digests.pop() if len(digests) == 1 else None
 
 
-def done_verdict(run_root: str, reports: dict[int, dict[str, Any]],
+def done_verdict(run_root: str, reports: dict[int, WorkerReport],
                  mirror: str | None) -> Verdict | None:
     digest = contract_digest(reports)
     if digest is None:
         return None  # no worker of this start said which run it is: no DONE can be its own
     roots = {r.get("root") for r in reports.values() if r.get("root")} or {run_root}
     mirrors = {r.get("mirror") for r in reports.values() if r.get("mirror")} or {mirror}
-    mirror_url = next(iter(mirrors))
-    mirror_backend = open_store(mirror_url) if mirror_url else None
-    for root in sorted(roots):
-        record, _ = check_done(open_store(root), contract_digest=digest, mirror=mirror_backend)
-        if record is not None:
-            return Verdict(DONE, f"DONE: {record.generation}, {record.tokens_seen} tokens seen")
-    return None
+    record = find_done(sorted(roots), contract_digest=digest, mirror=next(iter(mirrors)))
+    if record is None:
+        return None
+    return Verdict(DONE, f"DONE: {record.generation}, {record.tokens_seen} tokens seen")
 
 
 def failure_summary(result: dict[str, Any] | None, agent_rc: int | None) -> str:
@@ -76,7 +72,7 @@ def failure_summary(result: dict[str, Any] | None, agent_rc: int | None) -> str:
     return "; ".join(parts) or "failed without a reported reason"
 
 
-def permanent_reason(reports: dict[int, dict[str, Any]]) -> str | None:
+def permanent_reason(reports: dict[int, WorkerReport]) -> str | None:
     for rank, report in sorted(reports.items()):
         failure = report.get("failure") or {}
         if failure.get("permanent"):
@@ -85,7 +81,7 @@ def permanent_reason(reports: dict[int, dict[str, Any]]) -> str | None:
     return None
 
 
-def classify(*, run_root: str, reports: dict[int, dict[str, Any]], result: dict[str, Any] | None,
+def classify(*, run_root: str, reports: dict[int, WorkerReport], result: dict[str, Any] | None,
              agent_rc: int | None, stop_reason: str | None, mirror: str | None) -> Verdict:
     done = done_verdict(run_root, reports, mirror)
     if done is not None:

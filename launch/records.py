@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-LOG_NAME = "launch-log.jsonl"
+from dist_ckpt.launcher_api import LAUNCH_LOG_NAME
 
 
 @dataclass
@@ -50,7 +50,7 @@ def emit(message: str) -> None:
 
 
 def append(root: str, record: StartRecord) -> None:
-    with open(os.path.join(root, LOG_NAME), "a", encoding="utf-8") as handle:
+    with open(os.path.join(root, LAUNCH_LOG_NAME), "a", encoding="utf-8") as handle:
         handle.write(json.dumps(asdict(record), sort_keys=True) + "\n")
         handle.flush()
         os.fsync(handle.fileno())

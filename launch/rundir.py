@@ -1,12 +1,6 @@
 """Run directories under the launcher's ROOT: which run is active, and ``--fresh``.
 
-Layout::
-
-    ROOT/current              the active run id (atomic replace)
-    ROOT/runs/<id>/           that run's checkpoint root (DIST_CKPT_ROOT): generations, DONE.json
-    ROOT/runs/<id>/.launch/   per-start worker reports (see dist_ckpt.runinfo)
-    ROOT/launch-log.jsonl     one JSON line per start, every run
-    ROOT/STOP                 the default operator stop file
+The layout (``ROOT/current``, ``ROOT/runs/<id>/``, ...) is defined in ``dist_ckpt.launcher_api``.
 
 ``--fresh`` only ever adds a run directory and rewrites ``current``; it never deletes, moves or
 rewrites an earlier run (a fresh run gets a fresh directory; evidence is kept).
@@ -19,21 +13,20 @@ from __future__ import annotations
 import os
 import re
 
-from dist_ckpt.format.manifest import parse_generation
-from dist_ckpt.storage.local import atomic_write
+from dist_ckpt.launcher_api import (
+    CURRENT_NAME,
+    LEGACY_RUN_ID,
+    RUNS_DIR,
+    atomic_write,
+    holds_generations,
+    run_root,
+)
 
-CURRENT_NAME = "current"
-RUNS_DIR = "runs"
-LEGACY_RUN = "root"
 _NUMBERED = re.compile(r"^\d{4,}$")
 
 
 class RunDirError(Exception):
     """The run directory cannot be chosen as asked (exit 2)."""
-
-
-def run_dir(root: str, run_id: str) -> str:
-    return root if run_id == LEGACY_RUN else os.path.join(root, RUNS_DIR, run_id)
 
 
 def read_current(root: str) -> str | None:
@@ -54,27 +47,23 @@ def _next_number(root: str) -> str:
     return f"{max(numbers, default=0) + 1:04d}"
 
 
-def _has_top_level_generations(root: str) -> bool:
-    return any(parse_generation(name) is not None for name in os.listdir(root))
-
-
 def choose_run(root: str, *, fresh: bool, run_id: str | None) -> tuple[str, str, bool]:
     """``(run id, run directory, created)`` for this launch; records it in ``ROOT/current``."""
     os.makedirs(root, exist_ok=True)
     current = read_current(root)
     if run_id is not None:
         chosen = run_id
-        if fresh and os.path.isdir(run_dir(root, chosen)) and os.listdir(run_dir(root, chosen)):
-            raise RunDirError(f"--fresh --run-id {chosen}: {run_dir(root, chosen)} exists already")
+        if fresh and os.path.isdir(run_root(root, chosen)) and os.listdir(run_root(root, chosen)):
+            raise RunDirError(f"--fresh --run-id {chosen}: {run_root(root, chosen)} exists already")
     elif fresh:
         chosen = _next_number(root)
     elif current is not None:
         chosen = current
-    elif _has_top_level_generations(root):
-        chosen = LEGACY_RUN
+    elif holds_generations(root):
+        chosen = LEGACY_RUN_ID
     else:
         chosen = _next_number(root)
-    directory = run_dir(root, chosen)
+    directory = run_root(root, chosen)
     created = not os.path.isdir(directory)
     os.makedirs(directory, exist_ok=True)
     if chosen != current:

@@ -20,22 +20,9 @@ import time
 import uuid
 from typing import Any
 
-from dist_ckpt import runinfo
-from dist_ckpt.errors import DistCkptError
-from dist_ckpt.format.manifest import (
-    LATEST_NAME,
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    MAX_POINTER_BYTES,
-    LatestPointer,
-    Manifest,
-)
-from dist_ckpt.memory import paths as shm
-from dist_ckpt.save.space import free_bytes
-from dist_ckpt.storage.base import read_bounded
-from dist_ckpt.storage.local import LocalStore
+from dist_ckpt import launcher_api as api
 
-from . import policy, records
+from . import memory_dir, policy, records
 from .options import LaunchOptions
 from .rundir import choose_run
 
@@ -66,7 +53,7 @@ class Launcher:
 
     @property
     def mirror(self) -> str | None:
-        return f"{self.options.mirror}/runs/{self.run_id}" if self.options.mirror else None
+        return api.mirror_run_url(self.options.mirror, self.run_id) if self.options.mirror else None
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -81,21 +68,21 @@ class Launcher:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if memory is not None and shm.remove_run(self.run_id):
+            if memory is not None and memory_dir.remove_run(self.run_id):
                 records.emit(f"[launch] removed in-memory checkpoints {memory}")
 
     def _claim_memory(self) -> str | None:
-        """The node's shared memory for the memory tier (dist_ckpt.memory.paths): first remove what
+        """The node's shared memory for the memory tier (:mod:`launch.memory_dir`): first remove what
         dead launchers left (this run's own directory too: its launcher is gone, so are the
         bytes' guarantees), then own this run's directory until the launcher stops."""
-        for stale in shm.remove_stale():
+        for stale in memory_dir.remove_stale():
             records.emit(f"[launch] removed stale in-memory checkpoints {stale}")
-        if not shm.valid_run_id(self.run_id):
+        if not api.can_name_memory_dir(self.run_id):
             records.emit(f"[launch] run id {self.run_id!r} cannot name a shared-memory directory: "
                          "no memory tier for this run")
             return None
         try:
-            return shm.claim(self.run_id)
+            return memory_dir.claim(self.run_id)
         except OSError as exc:
             records.emit(f"[launch] cannot create the in-memory checkpoint directory: {exc}")
             return None
@@ -135,29 +122,29 @@ class Launcher:
         if problem is not None:
             record.classification, record.reason = policy.PERMANENT, problem
             return record
-        start_dir = os.path.join(self.run_dir, ".launch",
+        start_dir = os.path.join(self.run_dir, api.STARTS_DIR,
                                  f"{int(time.time())}-{uuid.uuid4().hex[:6]}-{start}")
         os.makedirs(start_dir)
         result_path = os.path.join(start_dir, "agent-result.json")
         began = time.monotonic()
         agent_rc, stop = self._run_agent(start_dir, result_path)
         record.duration_s = round(time.monotonic() - began, 3)
-        result = runinfo.read_report(result_path)
-        reports = runinfo.read_reports(start_dir)
+        result = api.read_report(result_path)
+        reports = api.read_reports(start_dir)
         verdict = policy.classify(run_root=self.run_dir, reports=reports, result=result,
                                   agent_rc=agent_rc, stop_reason=stop, mirror=self.mirror)
         record.classification, record.reason = verdict.kind, verdict.reason
         self._describe(record, reports, result)
-        if shm.valid_run_id(self.run_id):
-            record.memory_bytes = shm.used_bytes(self.run_id)
+        if api.can_name_memory_dir(self.run_id):
+            record.memory_bytes = memory_dir.used_bytes(self.run_id)
         return record
 
     def _run_agent(self, start_dir: str, result_path: str) -> tuple[int | None, str | None]:
         env = dict(os.environ)
-        env.update({"DIST_CKPT_ROOT": self.run_dir, runinfo.RUN_ID_ENV: self.run_id,
-                    runinfo.LAUNCH_DIR_ENV: start_dir})
+        env.update({api.ROOT_ENV: self.run_dir, api.RUN_ID_ENV: self.run_id,
+                    api.LAUNCH_DIR_ENV: start_dir})
         if self.mirror:
-            env[runinfo.MIRROR_ENV] = self.mirror
+            env[api.MIRROR_ENV] = self.mirror
         command = [sys.executable, "-m", "launch.agent", result_path, *self.options.torchrun_argv]
         self._agent = subprocess.Popen(command, env=env, start_new_session=True,
                                        preexec_fn=_die_with_parent)
@@ -177,7 +164,7 @@ class Launcher:
         finally:
             self._agent = None
 
-    def _describe(self, record: records.StartRecord, reports: dict[int, dict[str, Any]],
+    def _describe(self, record: records.StartRecord, reports: dict[int, api.WorkerReport],
                   result: dict[str, Any] | None) -> None:
         sizes = {r["world_size"] for r in reports.values() if isinstance(r.get("world_size"), int)}
         record.world_size = sizes.pop() if len(sizes) == 1 else None
@@ -186,7 +173,7 @@ class Launcher:
             record.resumed_from = resumed[0]["resumed_from"] or "fresh"
             record.resumed_update = resumed[0].get("next_update")
             record.resumed_tier = resumed[0].get("resumed_tier")
-        record.final_update = _latest_update(self.run_dir)
+        record.final_update = api.latest_update(self.run_dir)
         if record.final_update is not None and record.resumed_update is not None:
             record.updates = max(0, record.final_update - record.resumed_update)
         if result is not None:
@@ -203,9 +190,9 @@ class Launcher:
             return f"training script not found: {script}"
         need = self.options.min_free_bytes
         if need is None:
-            need = _newest_generation_bytes(self.run_dir) or 0
+            need = api.newest_generation_bytes(self.run_dir) or 0
         try:
-            free = free_bytes(self.run_dir)
+            free = api.free_bytes(self.run_dir)
         except OSError as exc:
             records.emit(f"[launch] cannot measure free space under {self.run_dir}: {exc}")
             return None
@@ -235,36 +222,3 @@ class Launcher:
                 return
             self._wake.wait(min(POLL_S, remaining))
 
-
-def _read_small(run_dir: str, rel: str, limit: int) -> bytes | None:
-    """A small file of the run's root, or None: never a FIFO (it would block the launcher),
-    never through a link, never over ``limit`` bytes."""
-    try:
-        return read_bounded(LocalStore(run_dir), rel, limit)
-    except (OSError, DistCkptError):
-        return None
-
-
-def _latest(run_dir: str) -> LatestPointer | None:
-    raw = _read_small(run_dir, LATEST_NAME, MAX_POINTER_BYTES)
-    try:
-        return None if raw is None else LatestPointer.model_validate_json(raw)
-    except ValueError:
-        return None
-
-
-def _latest_update(run_dir: str) -> int | None:
-    pointer = _latest(run_dir)
-    return None if pointer is None else pointer.next_update
-
-
-def _newest_generation_bytes(run_dir: str) -> int | None:
-    pointer = _latest(run_dir)  # its generation is a checked name: never a path
-    raw = None if pointer is None else _read_small(
-        run_dir, f"{pointer.generation}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
-    if pointer is None or raw is None:
-        return None
-    try:
-        return Manifest.from_bytes(raw, generation=pointer.generation).total_bytes
-    except (ValueError, DistCkptError):  # no estimate: the start is not held up
-        return None

@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"memory"},
     {"lifecycle"},
     {"manager"},
-    {"cli", "launcher_api", "__init__"},
+    {"cli", "__init__", "launcher_api", "diff", "export"},  # diff, export: the ops modules' old names
 ]
 # names that only the tier and storage implementations may use: deciding by the kind of root
 KIND_NAMES = {"is_remote", "ObjectStore", "LocalStore", "ObjectStoreTier", "RenameTier"}

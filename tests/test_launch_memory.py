@@ -17,6 +17,7 @@ import torch
 from dist_ckpt.format.validate import list_generations
 from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalStore
+from launch import memory_dir
 from tests.helpers import launchlib
 from tests.helpers.launchlib import launch, run_dir
 
@@ -70,7 +71,7 @@ def test_killed_launcher_memory_is_removed_by_the_next_start(tmp_path) -> None:
         proc.kill()
     pids = list(launchlib.worker_pids(root).values())
     launchlib.wait_for(lambda: launchlib.all_exited(pids), 60, "the orphaned workers to exit")
-    assert os.path.isdir(killed) and shm.stale_reason(killed) is not None
+    assert os.path.isdir(killed) and memory_dir.stale_reason(killed) is not None
     after = subprocess.run(launchlib.command(str(tmp_path / "next"), "--run-id", "next", script_args=(
         "--memory-tier", "--updates", "2", "--save-every", "1")), cwd=launchlib.REPO, env=env,
         capture_output=True, text=True, timeout=240)
@@ -86,17 +87,17 @@ def test_stale_detection_only_removes_provably_dead_owners(tmp_path) -> None:
     gone_pid = int(dead.stdout)
     for run, owner in (("dead", {"pid": gone_pid}), ("alive", {"pid": os.getpid()}),
                        ("elsewhere", {"pid": gone_pid, "host": "another-host"})):
-        directory = shm.claim(run, base)
-        record = json.load(open(os.path.join(directory, shm.OWNER_NAME)))
+        directory = memory_dir.claim(run, base)
+        record = json.load(open(os.path.join(directory, memory_dir.OWNER_NAME)))
         record.update(owner)
-        with open(os.path.join(directory, shm.OWNER_NAME), "w") as handle:
+        with open(os.path.join(directory, memory_dir.OWNER_NAME), "w") as handle:
             json.dump(record, handle)
     os.makedirs(os.path.join(base, f"{shm.PREFIX}ownerless"))
     os.makedirs(os.path.join(base, "unrelated"))
-    assert shm.remove_stale(base) == [shm.run_dir("dead", base)]
+    assert memory_dir.remove_stale(base) == [shm.run_dir("dead", base)]
     assert sorted(os.listdir(base)) == sorted(f"{shm.PREFIX}{n}" for n in
                                               ("alive", "elsewhere", "ownerless")) + ["unrelated"]
     with open(os.path.join(shm.run_dir("alive", base), "blob"), "wb") as handle:
         handle.write(b"x" * 1000)
-    assert shm.used_bytes("alive", base) >= 1000
-    assert shm.remove_run("alive", base) and not os.path.exists(shm.run_dir("alive", base))
+    assert memory_dir.used_bytes("alive", base) >= 1000
+    assert memory_dir.remove_run("alive", base) and not os.path.exists(shm.run_dir("alive", base))

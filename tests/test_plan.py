@@ -1,4 +1,5 @@
-"""Cadence planning: the formulas in ``dist_ckpt.cadence`` and the ``dist-ckpt plan`` command."""
+"""Cadence planning: the model in ``dist_ckpt.save.cadence``, the cost estimate in
+``dist_ckpt.cli.costs`` and the ``dist-ckpt plan`` command."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from dist_ckpt.cli.app import main
+from dist_ckpt.cli.costs import GB, MONTH_S, estimate_costs, parse_duration
 from dist_ckpt.format.manifest import (
     FORMAT_VERSION,
     GLOBAL_STATE_FILE,
@@ -20,15 +22,7 @@ from dist_ckpt.format.manifest import (
     generation_name,
     rank_state_file,
 )
-from dist_ckpt.save.cadence import (
-    GB,
-    MONTH_S,
-    interval_updates,
-    lost_fraction,
-    make_plan,
-    parse_duration,
-    t_star,
-)
+from dist_ckpt.save.cadence import interval_updates, lost_fraction, t_star
 from dist_ckpt.version import __version__
 
 T_STAR_10_4H = math.sqrt(2 * 10 * 14400)  # 536.656...
@@ -129,16 +123,16 @@ def test_parse_duration_rejects(text: str) -> None:
         parse_duration(text)
 
 
-def test_make_plan_disk_and_milestones() -> None:
-    plan = make_plan(save_cost_s=10, mtbf_s=14400, run_length_s=8000, step_time_s=0.8,
-                     generation_bytes=1000, keep_last=2, keep_every=1000)
-    assert plan.run_updates == 10000 and plan.milestones == 10
-    assert (plan.kept_bytes, plan.milestone_bytes, plan.staging_bytes) == (2000, 10000, 1000)
-    assert plan.disk_bytes == 13000
-    # saves every 671 updates rarely land on a multiple of 1000: the plan says so
-    assert any("lcm" in note or "671000" in note for note in plan.notes)
+def test_estimate_costs_disk_and_milestones() -> None:
+    estimate = estimate_costs(save_cost_s=10, mtbf_s=14400, run_length_s=8000, step_time_s=0.8,
+                              generation_bytes=1000, keep_last=2, keep_every=1000)
+    assert estimate.run_updates == 10000 and estimate.milestones == 10
+    assert (estimate.kept_bytes, estimate.milestone_bytes, estimate.staging_bytes) == (2000, 10000, 1000)
+    assert estimate.disk_bytes == 13000
+    # saves every 671 updates rarely land on a multiple of 1000: the estimate says so
+    assert any("lcm" in note or "671000" in note for note in estimate.notes)
     with pytest.raises(ValueError, match="keep_last"):
-        make_plan(save_cost_s=10, mtbf_s=14400, run_length_s=8000, keep_last=0)
+        estimate_costs(save_cost_s=10, mtbf_s=14400, run_length_s=8000, keep_last=0)
 
 
 # --- the command -------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """``dist-ckpt plan``: how often to save (T* = sqrt(2 C M)), the time lost, the disk needed and
-per-tier figures, from recorded save costs and the launcher's step times (see cadence.py)."""
+per-tier figures, from recorded save costs and the launcher's step times (the estimate itself
+is ``costs.py``; the model ``save/cadence.py``)."""
 
 from __future__ import annotations
 
@@ -13,30 +14,30 @@ from ..errors import StorageError
 from ..format.inventory import inventory
 from ..format.manifest import Manifest
 from ..format.signing import key_from_env
-from ..save.cadence import (
-    Plan,
-    Tier,
-    TierPlan,
-    make_plan,
+from ..launcher_api import LAUNCH_LOG_NAME, RUNS_DIR, launch_log_dirs
+from ..storage.base import Store, open_store
+from .common import UsageError, human_bytes, open_root
+from .costs import (
+    CostEstimate,
+    PriceEstimate,
+    StoragePrice,
+    estimate_costs,
     median_save_cost,
     parse_duration,
-    parse_tiers,
+    parse_storage_prices,
     step_time_from_log,
 )
-from ..storage.base import Store, open_store, parent_url
-from .common import UsageError, human_bytes, open_root
 
-LAUNCH_LOG = "launch-log.jsonl"
-
-PLAN_EPILOG = """\
+PLAN_EPILOG = f"""\
 defaults and where they come from:
   --save-cost   median save_duration_s of the committed generations' manifests under ROOT
-  --step-time   sum(duration_s) / sum(updates) of launch-log.jsonl in ROOT or ROOT/../..
-                (the launcher keeps runs at LAUNCHROOT/runs/<id>/, its log at LAUNCHROOT)
+  --step-time   sum(duration_s) / sum(updates) of {LAUNCH_LOG_NAME} in ROOT or ROOT/../..
+                (the launcher keeps runs at LAUNCHROOT/{RUNS_DIR}/<id>/, its log at LAUNCHROOT)
   generation    total_bytes of the newest committed generation (--generation-bytes overrides)
 
 durations take a unit: 500ms, 0.8s, 5m, 4h, 30d (no unit: seconds).
 
+""" + """\
 --tiers FILE is a JSON file of per-tier rates (no prices are built in; they change):
   {"tiers": [
     {"name": "local NVMe", "read_bytes_per_s": 2e9},
@@ -75,25 +76,20 @@ def plan_save_cost(given: float | None, committed: list[Manifest], root: str) ->
     return found[0], f"median of {found[1]} recorded saves"
 
 
-def launch_log_dirs(root: str) -> list[str]:
-    """ROOT itself, then ROOT's grandparent (the launcher's LAUNCHROOT for LAUNCHROOT/runs/<id>)."""
-    here, launch_root = parent_url(root, 0), parent_url(root, 2)
-    return [d for d in (here, launch_root) if d is not None]
-
-
 def plan_step_time(given: float | None, root: str) -> tuple[float | None, str]:
     if given is not None:
         return given, "--step-time"
     for directory in launch_log_dirs(root):
         try:
-            raw = open_store(directory).read_bytes(LAUNCH_LOG)
+            raw = open_store(directory).read_bytes(LAUNCH_LOG_NAME)
         except (StorageError, OSError, ValueError):  # absent or unreadable: try the next place
             continue
         found = step_time_from_log(raw.decode("utf-8", errors="replace"))
         if found is not None:
-            return found.step_time_s, (f"{directory.rstrip('/')}/{LAUNCH_LOG}: {found.duration_s:.0f} s "
+            return found.step_time_s, (f"{directory.rstrip('/')}/{LAUNCH_LOG_NAME}: {found.duration_s:.0f} s "
                                        f"over {found.updates} updates in {found.launches} launch(es)")
-    return None, f"unknown: pass --step-time (or launch with the launcher, whose {LAUNCH_LOG} records it)"
+    return None, (f"unknown: pass --step-time (or launch with the launcher, whose {LAUNCH_LOG_NAME} "
+                  "records it)")
 
 
 def plan_generation(given_bytes: int | None, newest: Manifest | None) -> tuple[int | None, str]:
@@ -104,19 +100,19 @@ def plan_generation(given_bytes: int | None, newest: Manifest | None) -> tuple[i
     return newest.total_bytes, f"newest committed generation {newest.generation}"
 
 
-def read_tiers_file(path: str | None) -> list[Tier]:
+def read_tiers_file(path: str | None) -> list[StoragePrice]:
     if path is None:
         return []
     try:
         with open(path, "rb") as handle:
-            return parse_tiers(handle.read())
+            return parse_storage_prices(handle.read())
     except OSError as exc:
         raise UsageError(f"cannot read tiers file {path!r}: {exc}") from exc
     except ValueError as exc:
         raise UsageError(f"tiers file {path!r} is malformed: {exc}") from exc
 
 
-def build_plan(args: argparse.Namespace, backend: Store) -> Plan:
+def build_estimate(args: argparse.Namespace, backend: Store) -> CostEstimate:
     committed = sorted((i.manifest for i in inventory(backend, digests=False, key=key_from_env())
                         if i.state == "committed" and i.manifest),
                        key=lambda manifest: manifest.next_update, reverse=True)
@@ -132,12 +128,12 @@ def build_plan(args: argparse.Namespace, backend: Store) -> Plan:
         "files_per_generation": "unknown: no committed generation" if newest is None else
         f"newest committed generation {newest.generation}: {len(newest.files)} files + manifest"}
     try:
-        return make_plan(
+        return estimate_costs(
             save_cost_s=save_cost, mtbf_s=args.mtbf or 4 * 3600.0,
             run_length_s=args.run_length or 30 * 86400.0, step_time_s=step_time,
             generation_bytes=size, files_per_generation=None if newest is None else len(newest.files) + 1,
             keep_last=3 if args.keep_last is None else args.keep_last, keep_every=args.keep_every,
-            tiers=read_tiers_file(args.tiers), sources=sources)
+            prices=read_tiers_file(args.tiers), sources=sources)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 
@@ -149,42 +145,43 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.3g} s"
 
 
-def plan_head_lines(plan: Plan) -> list[str]:
-    src = plan.sources
-    step = "-" if plan.step_time_s is None else f"{plan.step_time_s:.4g} s"
-    updates = f" = {plan.interval_updates} updates" if plan.interval_updates is not None else \
+def plan_head_lines(estimate: CostEstimate) -> list[str]:
+    src = estimate.sources
+    step = "-" if estimate.step_time_s is None else f"{estimate.step_time_s:.4g} s"
+    updates = f" = {estimate.interval_updates} updates" if estimate.interval_updates is not None else \
         " (in updates: pass --step-time)"
     return [
-        f"  save cost C      {human_seconds(plan.save_cost_s)}  [{src['save_cost_s']}]",
-        f"  MTBF M           {human_seconds(plan.mtbf_s)}  [{src['mtbf_s']}]",
+        f"  save cost C      {human_seconds(estimate.save_cost_s)}  [{src['save_cost_s']}]",
+        f"  MTBF M           {human_seconds(estimate.mtbf_s)}  [{src['mtbf_s']}]",
         f"  step time        {step}  [{src['step_time_s']}]",
-        f"  run length       {human_seconds(plan.run_length_s)}  [{src['run_length_s']}]",
-        f"interval T* = sqrt(2 C M) = {human_seconds(plan.interval_s)}{updates}",
-        f"time lost at T*  {plan.lost_fraction:.2%} (saving C/T* {plan.lost_saving_fraction:.2%} "
-        f"+ rework T*/2M {plan.lost_rework_fraction:.2%})",
-        f"over the run     {plan.saves:.0f} saves, {plan.restores:.1f} expected restores (run length / M)",
+        f"  run length       {human_seconds(estimate.run_length_s)}  [{src['run_length_s']}]",
+        f"interval T* = sqrt(2 C M) = {human_seconds(estimate.interval_s)}{updates}",
+        f"time lost at T*  {estimate.lost_fraction:.2%} (saving C/T* {estimate.lost_saving_fraction:.2%} "
+        f"+ rework T*/2M {estimate.lost_rework_fraction:.2%})",
+        f"over the run     {estimate.saves:.0f} saves, {estimate.restores:.1f} expected restores "
+        "(run length / M)",
     ]
 
 
-def milestone_line(plan: Plan) -> str:
-    if plan.keep_every is None:
+def milestone_line(estimate: CostEstimate) -> str:
+    if estimate.keep_every is None:
         return "0 (no --keep-every)"
-    if plan.run_updates is None:
+    if estimate.run_updates is None:
         return "0 counted: the run length in updates needs a step time (--step-time)"
-    return (f"{plan.milestones}: multiples of --keep-every {plan.keep_every} within the run's "
-            f"{plan.run_updates} updates (assumes a save lands on each)")
+    return (f"{estimate.milestones}: multiples of --keep-every {estimate.keep_every} within the run's "
+            f"{estimate.run_updates} updates (assumes a save lands on each)")
 
 
-def plan_disk_lines(plan: Plan) -> list[str]:
-    if plan.generation_bytes is None or plan.disk_bytes is None:
-        return [f"disk needed      {plan.sources['generation_bytes']}"]
-    size = human_bytes(plan.generation_bytes)
+def plan_disk_lines(estimate: CostEstimate) -> list[str]:
+    if estimate.generation_bytes is None or estimate.disk_bytes is None:
+        return [f"disk needed      {estimate.sources['generation_bytes']}"]
+    size, src = human_bytes(estimate.generation_bytes), estimate.sources
     return [
-        f"disk needed      {human_bytes(plan.disk_bytes)} = ({plan.keep_last} kept + {plan.milestones} "
-        f"milestones) x {size} + {size} staging",
-        f"  kept           {plan.keep_last} newest generations (--keep-last) [{plan.sources['keep_last']}]",
-        f"  milestones     {milestone_line(plan)}",
-        f"  generation     {size} = {plan.generation_bytes} bytes [{plan.sources['generation_bytes']}]",
+        f"disk needed      {human_bytes(estimate.disk_bytes)} = ({estimate.keep_last} kept + "
+        f"{estimate.milestones} milestones) x {size} + {size} staging",
+        f"  kept           {estimate.keep_last} newest generations (--keep-last) [{src['keep_last']}]",
+        f"  milestones     {milestone_line(estimate)}",
+        f"  generation     {size} = {estimate.generation_bytes} bytes [{src['generation_bytes']}]",
         "  staging        one more generation: a save in flight",
     ]
 
@@ -196,36 +193,36 @@ def usd(amount: float) -> str:
     return f"${amount:.3g}" if amount >= 0.01 or amount == 0 else "<$0.01"
 
 
-def tier_lines(tier: TierPlan, plan: Plan) -> list[str]:
-    lines = [f"tier {tier.name!r} (reads {human_bytes(int(tier.read_bytes_per_s))}/s)"]
-    if tier.restore_s is not None and tier.gb_months is not None:
-        lines += [f"  restore one generation  {human_seconds(tier.restore_s)}",
-                  f"  stored                  {tier.gb_months:.2f} GB-months "
-                  f"(average {plan.keep_last} kept + {plan.milestones}/2 milestones)"]
-    if tier.put_requests is not None and tier.get_requests is not None:
-        files = plan.files_per_generation
-        lines += [f"  PUT requests            {tier.put_requests:.0f} "
-                  f"({plan.saves:.0f} saves x {files} files)",
-                  f"  GET requests            {tier.get_requests:.0f} "
-                  f"({plan.restores:.1f} restores x {files} files)"]
-    costs = [(label, value) for label, value in (("storage", tier.storage_usd), ("PUT", tier.put_usd),
-                                                 ("GET", tier.get_usd)) if value is not None]
-    if costs and tier.total_usd is not None:
+def price_lines(price: PriceEstimate, estimate: CostEstimate) -> list[str]:
+    lines = [f"tier {price.name!r} (reads {human_bytes(int(price.read_bytes_per_s))}/s)"]
+    if price.restore_s is not None and price.gb_months is not None:
+        lines += [f"  restore one generation  {human_seconds(price.restore_s)}",
+                  f"  stored                  {price.gb_months:.2f} GB-months "
+                  f"(average {estimate.keep_last} kept + {estimate.milestones}/2 milestones)"]
+    if price.put_requests is not None and price.get_requests is not None:
+        files = estimate.files_per_generation
+        lines += [f"  PUT requests            {price.put_requests:.0f} "
+                  f"({estimate.saves:.0f} saves x {files} files)",
+                  f"  GET requests            {price.get_requests:.0f} "
+                  f"({estimate.restores:.1f} restores x {files} files)"]
+    costs = [(label, value) for label, value in (("storage", price.storage_usd), ("PUT", price.put_usd),
+                                                 ("GET", price.get_usd)) if value is not None]
+    if costs and price.total_usd is not None:
         parts = " + ".join(f"{usd(value)} {label}" for label, value in costs)
-        lines.append(f"  cost over the run       {parts} = {usd(tier.total_usd)}")
+        lines.append(f"  cost over the run       {parts} = {usd(price.total_usd)}")
     return lines
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     backend = open_root(args.root)
-    plan = build_plan(args, backend)
+    estimate = build_estimate(args, backend)
     if args.json:
-        print(json.dumps({"root": backend.root, **asdict(plan)}, indent=1))
+        print(json.dumps({"root": backend.root, **asdict(estimate)}, indent=1))
         return 0
-    lines = [f"cadence plan for {backend.root}", *plan_head_lines(plan), *plan_disk_lines(plan)]
-    for tier in plan.tiers:
-        lines += tier_lines(tier, plan)
-    lines += [f"note: {note}" for note in plan.notes]
+    lines = [f"cadence plan for {backend.root}", *plan_head_lines(estimate), *plan_disk_lines(estimate)]
+    for price in estimate.tiers:
+        lines += price_lines(price, estimate)
+    lines += [f"note: {note}" for note in estimate.notes]
     print("\n".join(lines))
     return 0
 
@@ -241,7 +238,7 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--save-cost", type=duration_arg, default=None, metavar="DUR",
                       help="time training stalls per save, C (default: median recorded under ROOT)")
     plan.add_argument("--step-time", type=duration_arg, default=None, metavar="DUR",
-                      help="seconds per update (default: from the launcher's launch-log.jsonl)")
+                      help=f"seconds per update (default: from the launcher's {LAUNCH_LOG_NAME})")
     plan.add_argument("--run-length", type=duration_arg, default=None, metavar="DUR",
                       help="wall time of the whole run (default 30d)")
     plan.add_argument("--keep-last", type=int, default=None, metavar="K",

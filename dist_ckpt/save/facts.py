@@ -18,10 +18,10 @@ from ..format.inventory import inspect_generation
 from ..format.manifest import MANIFEST_NAME
 from ..protocol.comm import PendingGather
 from ..protocol.messages import SaveFacts, SpaceFacts
+from ..storage.local import free_bytes
 from . import agreement
 from .inflight import InFlight
 from .planning import SavePlanCache
-from .space import free_bytes
 
 log = logs.get(__name__)
 

@@ -9,15 +9,8 @@ the ranks writing there will write under the cached plan, plus the configured he
 
 from __future__ import annotations
 
-import os
-
 from ..errors import InsufficientSpace
 from ..protocol.messages import SaveFacts
-
-
-def free_bytes(path: str) -> int:
-    stats = os.statvfs(path)
-    return stats.f_bavail * stats.f_frsize
 
 
 def check_space(agreed: list[SaveFacts], headroom_bytes: int, root: str) -> None:

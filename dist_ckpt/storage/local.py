@@ -22,6 +22,13 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "a special file")
 
 
+def free_bytes(path: str) -> int:
+    """Free bytes of the filesystem holding ``path`` for an unprivileged writer; OSError when
+    it cannot be measured."""
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
 def fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -47,8 +47,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError as PydanticValidationError
 
-import launch.runner as launch_runner
-from dist_ckpt import CheckpointConfig, CheckpointManager
+from dist_ckpt import CheckpointConfig, CheckpointManager, launcher_api
 from dist_ckpt.cli.app import main
 from dist_ckpt.errors import (
     DistCkptError,
@@ -611,8 +610,8 @@ def test_hostile_latest_pointer(name: str, template: Path, tmp_path: Path,
         assert LATEST_NAME in str(raised.value)
         assert name in LATEST_ERRORS or type(raised.value) is ValidationError  # corrupt
         # the launcher reads the pointer for its log line and free-space estimate: same rule
-        assert launch_runner._latest_update(str(root)) is None
-        assert launch_runner._newest_generation_bytes(str(root)) is None
+        assert launcher_api.latest_update(str(root)) is None
+        assert launcher_api.newest_generation_bytes(str(root)) is None
         code, out, _ = run_cli(capsys, "ls", str(root))
         assert code == 0 and f"({LATEST_NAME} is missing or unreadable)" in out, out
         code, out, _ = run_cli(capsys, "verify", str(root))

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dist_ckpt import runinfo
+from dist_ckpt.launcher_api import CURRENT_NAME, LAUNCH_LOG_NAME, RUNS_DIR, STARTS_DIR
 from dist_ckpt.testing import enter_rank, free_port, rank_context, rank_environment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,15 +89,15 @@ def reference(root: str, *script_args: str, nproc: int = 2, timeout: float = 180
 
 def read_log(root: str) -> list[dict]:
     try:
-        with open(os.path.join(root, "launch-log.jsonl"), encoding="utf-8") as handle:
+        with open(os.path.join(root, LAUNCH_LOG_NAME), encoding="utf-8") as handle:
             return [json.loads(line) for line in handle if line.strip()]
     except FileNotFoundError:
         return []
 
 
 def run_dir(root: str) -> str:
-    with open(os.path.join(root, "current"), encoding="utf-8") as handle:
-        return os.path.join(root, "runs", handle.read().strip())
+    with open(os.path.join(root, CURRENT_NAME), encoding="utf-8") as handle:
+        return os.path.join(root, RUNS_DIR, handle.read().strip())
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -111,7 +112,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 def worker_pids(root: str) -> dict[int, int]:
     """Rank -> pid of its newest report (every launcher of a run writes its own start
     directories; which rank landed on which node is torchrun's choice)."""
-    launch_dir = os.path.join(run_dir(root), ".launch")
+    launch_dir = os.path.join(run_dir(root), STARTS_DIR)
     pids: dict[int, int] = {}
     for start in sorted(os.listdir(launch_dir)):  # oldest first: newer reports replace older
         for name in os.listdir(os.path.join(launch_dir, start)):
@@ -135,7 +136,7 @@ def all_exited(pids: Iterable[int]) -> bool:
 def workers_training(root: str, world_size: int) -> bool:
     """True once every rank of the current start reported where it resumed from."""
     try:
-        launch_dir = os.path.join(run_dir(root), ".launch")
+        launch_dir = os.path.join(run_dir(root), STARTS_DIR)
         starts = sorted(os.listdir(launch_dir))
     except OSError:
         return False

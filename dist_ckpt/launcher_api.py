@@ -1,0 +1,120 @@
+"""What the launcher (``python -m launch``) may know of dist_ckpt: this module and nothing else.
+
+``launch/`` imports only this module (``tests/test_launcher_boundary.py`` enforces it), and no
+other dist_ckpt module spells the launcher's directory layout: both sides meet here. Importing
+it does not import torch, so the launcher's own start stays light.
+
+The launcher's layout under its ``--checkpoint-root`` (LAUNCHROOT)::
+
+    LAUNCHROOT/current              the active run id (atomic replace)
+    LAUNCHROOT/runs/<id>/           a run's checkpoint root (ROOT_ENV): generations, DONE.json
+    LAUNCHROOT/runs/<id>/.launch/   one directory per start (LAUNCH_DIR_ENV): worker reports
+    LAUNCHROOT/launch-log.jsonl     one JSON line per start of every run (read by ``dist-ckpt plan``)
+    LAUNCHROOT/STOP                 the default operator stop file
+
+A LAUNCHROOT that held generations at its top level before the launcher is continued in place
+as run ``root`` (LEGACY_RUN_ID): then the run's checkpoint root is LAUNCHROOT itself.
+
+Call order (the launcher's main thread, one launcher per node):
+
+1. at launch: :func:`run_root` (where the chosen run lives), :func:`holds_generations` (a
+   pre-launcher root), :func:`atomic_write` (``current``); the memory directory:
+   :func:`memory_base_dir`, :func:`can_name_memory_dir`, :func:`memory_dir`;
+2. before each start: :func:`newest_generation_bytes` and :func:`free_bytes` (the free-space
+   preflight); the environment of the workers: ``ROOT_ENV``, ``RUN_ID_ENV``,
+   ``LAUNCH_DIR_ENV``, ``MIRROR_ENV`` (:func:`mirror_run_url`);
+3. after each start: :func:`read_reports` (what each rank wrote through ``dist_ckpt.runinfo``),
+   :func:`find_done` (did the run finish), :func:`latest_update` (how far it got).
+
+``dist-ckpt plan`` calls :func:`launch_log_dirs` to find the launcher's log for a checkpoint root.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from .config import ROOT_ENV
+from .errors import DistCkptError
+from .format.manifest import parse_generation, read_latest_name
+from .format.validate import read_manifest
+from .memory.paths import PREFIX as MEMORY_DIR_PREFIX
+from .memory.paths import SHM_DIR_ENV
+from .memory.paths import base_dir as memory_base_dir
+from .memory.paths import run_dir as memory_dir
+from .memory.paths import valid_run_id as can_name_memory_dir
+from .ops.done import DoneRecord, check_done
+from .runinfo import LAUNCH_DIR_ENV, MIRROR_ENV, RUN_ID_ENV, WorkerReport, read_report, read_reports
+from .storage.base import open_store, parent_url
+from .storage.local import atomic_write, free_bytes
+
+__all__ = [
+    "CURRENT_NAME", "LAUNCH_DIR_ENV", "LAUNCH_LOG_NAME", "LEGACY_RUN_ID", "MEMORY_DIR_PREFIX",
+    "MIRROR_ENV", "ROOT_ENV", "RUNS_DIR", "RUN_ID_ENV", "SHM_DIR_ENV", "STARTS_DIR", "STOP_NAME",
+    "DoneRecord", "WorkerReport", "atomic_write", "can_name_memory_dir", "find_done", "free_bytes",
+    "holds_generations", "latest_update", "launch_log_dirs", "memory_base_dir", "memory_dir",
+    "mirror_run_url", "newest_generation_bytes", "read_report", "read_reports", "run_root",
+]
+
+# ---- the layout -------------------------------------------------------------------------
+CURRENT_NAME = "current"
+RUNS_DIR = "runs"
+STARTS_DIR = ".launch"
+LAUNCH_LOG_NAME = "launch-log.jsonl"
+STOP_NAME = "STOP"
+LEGACY_RUN_ID = "root"
+
+
+def run_root(launch_root: str, run_id: str) -> str:
+    """The checkpoint root of run ``run_id`` under the launcher's root."""
+    return launch_root if run_id == LEGACY_RUN_ID else os.path.join(launch_root, RUNS_DIR, run_id)
+
+
+def mirror_run_url(mirror: str, run_id: str) -> str:
+    """Where run ``run_id`` replicates under the ``--mirror`` URL (same layout as the disk)."""
+    return f"{mirror}/{RUNS_DIR}/{run_id}"
+
+
+def launch_log_dirs(checkpoint_root: str) -> list[str]:
+    """Where the launcher's log of the run at ``checkpoint_root`` may be, in the order to try:
+    the root itself (a run continued in place), then the LAUNCHROOT of LAUNCHROOT/runs/<id>."""
+    here, launch_root = parent_url(checkpoint_root, 0), parent_url(checkpoint_root, 2)
+    return [d for d in (here, launch_root) if d is not None]
+
+
+def holds_generations(directory: str) -> bool:
+    """Whether ``directory`` has generations at its top level (a checkpoint root in use)."""
+    return any(parse_generation(name) is not None for name in os.listdir(directory))
+
+
+# ---- the run's progress -------------------------------------------------------------------
+def latest_update(run_root: str) -> int | None:
+    """The update the run's latest pointer names; None without a readable pointer. A hint
+    for the launcher's record, never trusted over validation."""
+    name = read_latest_name(open_store(run_root))
+    return None if name is None else parse_generation(name)
+
+
+def newest_generation_bytes(run_root: str) -> int | None:
+    """Bytes of the generation the latest pointer names (the size of one more save); None
+    when there is no readable pointer or manifest (no estimate: the start is not held up)."""
+    store = open_store(run_root)
+    name = read_latest_name(store)  # a checked name, never a path
+    if name is None:
+        return None
+    try:
+        return read_manifest(store, name).total_bytes
+    except (OSError, ValueError, DistCkptError):
+        return None
+
+
+def find_done(roots: Iterable[str], *, contract_digest: str, mirror: str | None) -> DoneRecord | None:
+    """The first DONE record among ``roots`` (in order) that holds for the run with
+    ``contract_digest``: its final generation validates there, or in ``mirror`` for a
+    node-local root. None when no root has one."""
+    mirror_store = open_store(mirror) if mirror else None
+    for root in roots:
+        record, _ = check_done(open_store(root), contract_digest=contract_digest, mirror=mirror_store)
+        if record is not None:
+            return record
+    return None
