@@ -27,6 +27,7 @@ from .errors import (
     TorchVersionMismatch,
     UntrustedGenerations,
 )
+from .storage.local import atomic_write
 
 log = logs.get(__name__)
 
@@ -97,10 +98,7 @@ def report(rank: int | None = None, **fields: Any) -> None:
         current = read_report(path) or {}
         current.update(fields, rank=rank)
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(current, handle, default=str)
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(current, default=str).encode())
     except OSError as exc:
         log.warning("cannot write the launcher report %s: %s", path, exc)
 

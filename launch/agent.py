@@ -9,13 +9,14 @@ process per start gives every start a fresh rendezvous and a fresh c10d store.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
+
+from dist_ckpt.launcher_api import atomic_write
 
 MESSAGE_LIMIT = 4000
 
@@ -41,10 +42,7 @@ def main(argv: list[str]) -> int:
         result["signal"] = exc.sigval.name
     except Exception as exc:  # noqa: BLE001 - rendezvous timeouts and the like: a failed start
         result["error"] = f"{type(exc).__name__}: {exc}"[-MESSAGE_LIMIT:]
-    tmp = f"{result_path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(result, handle)
-    os.replace(tmp, result_path)
+    atomic_write(result_path, json.dumps(result).encode())
     return 0 if result["ok"] else 1
 
 

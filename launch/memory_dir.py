@@ -18,7 +18,7 @@ import shutil
 import socket
 from typing import Any
 
-from dist_ckpt.launcher_api import MEMORY_DIR_PREFIX, memory_base_dir, memory_dir
+from dist_ckpt.launcher_api import MEMORY_DIR_PREFIX, atomic_write, memory_base_dir, memory_dir
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,7 @@ def claim(run_id: str, base: str | None = None) -> str:
     os.makedirs(directory, exist_ok=True)
     owner = {"pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()),
              "host": socket.gethostname(), "run_id": run_id}
-    tmp = os.path.join(directory, f".{OWNER_NAME}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(owner, handle)
-    os.replace(tmp, os.path.join(directory, OWNER_NAME))
+    atomic_write(os.path.join(directory, OWNER_NAME), json.dumps(owner).encode())
     return directory
 
 

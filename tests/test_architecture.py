@@ -12,9 +12,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dist_ckpt"
 
 # bottom to top; a module may import its own layer and the layers below (docs/architecture.md)
 LAYERS: list[set[str]] = [
-    {"errors", "version", "logs", "progress", "faults", "runinfo", "digests"},
+    {"errors", "version", "logs", "progress", "faults", "digests"},
     {"storage"},
-    {"format"},
+    {"format", "runinfo"},
     {"protocol", "config"},
     {"restart"},
     {"tiers"},
