@@ -128,3 +128,21 @@ class RankMismatch(DistCkptError):
         self.differences = dict(differences)
         detail = "; ".join(f"rank {r}: {', '.join(keys)}" for r, keys in sorted(self.differences.items()))
         super().__init__(f"{message} ({detail})")
+
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: neither success nor failure; the job is to be started again
+
+
+class Preempted(SystemExit):
+    """The launcher asked the job to stop (a preemption notice) and this rank committed
+    ``generation`` (durable on the root) before stopping. A ``SystemExit``, not a
+    ``DistCkptError``: an ``except Exception:`` in a training loop must not swallow it; the
+    process exits with :data:`PREEMPTED_EXIT`."""
+
+    def __init__(self, generation: str, update: int) -> None:
+        super().__init__(PREEMPTED_EXIT)
+        self.generation = generation
+        self.update = update
+
+    def __str__(self) -> str:
+        return f"preempted: saved {self.generation} at update {self.update}"

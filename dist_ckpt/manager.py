@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from . import faults, logs, runinfo
+from . import faults, logs, marks, runinfo
 from .config import CheckpointConfig
 from .context import Context, Tiers
 from .errors import (
@@ -26,12 +26,14 @@ from .errors import (
     ConfigError,
     GenerationExists,
     NotAtOptimizerBoundary,
+    Preempted,
 )
 from .format.inventory import GenerationInfo, inventory
 from .format.manifest import generation_name
 from .lifecycle import finish
 from .lifecycle.after_commit import AfterCommit
 from .lifecycle.finish import FinalStep
+from .lifecycle.preemption import PreemptionWatch
 from .lifecycle.pruning import Pruner
 from .lifecycle.replication import open_replayer
 from .memory.runner import MemoryTierRunner
@@ -105,6 +107,9 @@ class CheckpointManager:
         self.snapshots = lazy_snapshots(config, state)  # None unless snapshot="lazy", async
         self.comm = Comm(timeout_s=3 * config.commit_timeout_s + 600)
         self._check_run_id()
+        self.marks = marks.open_writer(runinfo.launch_dir(), self.comm.rank)
+        self.preemption = PreemptionWatch(self.comm, runinfo.preempt_notice_path(),
+                                          timeout_s=config.commit_timeout_s)
         root = open_tier(config.root, TierOptions(
             storage_options=dict(config.storage_options or {}),
             scratch_root=config.cache_dir or os.path.join(
@@ -189,6 +194,19 @@ class CheckpointManager:
         self._check_open()
         if self._rehearsal is not None:  # dist-ckpt rehearse --script: one update, no write
             rehearsal.end_script_rehearsal(self.ctx, self._rehearsal, next_update)
+        self.marks.mark(next_update)
+        preempt = self.preemption.due(next_update)
+        with self.marks.section("save", self._save_bound_s()):
+            job = self._save(next_update, tokens_seen)
+        if preempt:
+            self._stop_preempted(next_update)
+        return job
+
+    def _save_bound_s(self) -> float:
+        # the longest save() may block: the oldest save in flight, then this one, each bounded
+        return 2 * self.config.commit_timeout_s + 60
+
+    def _save(self, next_update: int, tokens_seen: int | None) -> SaveJob | None:
         started = time.perf_counter()
         self.stats.requested += 1
         live = self.state.tensor_state()
@@ -239,11 +257,35 @@ class CheckpointManager:
         if self.schedule is None:
             raise ConfigError("maybe_save needs CheckpointConfig(save_every=N) (field save_every)")
         if not self.schedule.due(next_update) and self._rehearsal is None:
+            self.heartbeat(next_update)
             return None
         job = self.save(next_update, tokens_seen=tokens_seen)
         if job is not None:
             self.schedule.saved(next_update, self.stats.last_blocking_s, self.comm.broadcast)
         return job
+
+    def heartbeat(self, update: int) -> None:
+        """Tell the launcher this rank reached ``update`` (every rank, once per update, for
+        jobs that save rarely; ``save`` and ``maybe_save`` do it themselves). Costs a few
+        stores into a mapped file. Under a preemption notice, every rank saves the agreed
+        update at this call and raises ``Preempted`` once it is durable on the root."""
+        self._check_open()
+        self.marks.mark(update)
+        if self.preemption.due(update):
+            self.save(update)
+
+    def _stop_preempted(self, next_update: int) -> None:
+        """All ranks, after the save of the agreed update started: wait until it is durable on
+        the root (with the memory tier: persisted; the node's memory may not survive), then
+        stop with ``Preempted``."""
+        name = generation_name(next_update)
+        self.wait()  # a failed save raises its CommitError here, not Preempted
+        if self.memory is not None and self.replayer is not None:
+            if self.comm.rank == 0 and not self.replayer.drain(self.config.close_timeout_s):
+                log.error("%s not persisted to the root within %s s", name, self.config.close_timeout_s)
+            self.comm.barrier()  # every rank's replay stays until rank 0 published
+        runinfo.report(self.comm.rank, preempted=name, preempted_update=next_update)
+        raise Preempted(name, next_update)
 
     @reports_permanent
     def finish(self, final_update: int, *, tokens_seen: int | None = None) -> DoneRecord:
@@ -255,6 +297,12 @@ class CheckpointManager:
         self._check_open()
         if self._rehearsal is not None:  # a rehearsal writes neither a generation nor DONE
             rehearsal.end_script_rehearsal(self.ctx, self._rehearsal, final_update)
+        self.marks.mark(final_update)
+        bound = self._save_bound_s() + self.config.close_timeout_s
+        with self.marks.section("finish", bound):
+            return self._finish(final_update, tokens_seen)
+
+    def _finish(self, final_update: int, tokens_seen: int | None) -> DoneRecord:
         self.wait()
         name = generation_name(final_update)
         step = finish.final_step(self.ctx, name, self.memory)
@@ -372,6 +420,8 @@ class CheckpointManager:
             if self.replayer is not None:
                 self.replayer.close(self.config.close_timeout_s)
             self.pruner.close()
+            self.preemption.close()
+            self.marks.close()
             running = self.inflight.join(deadline)
             if running:
                 log.error("save(s) %s still running at close; they fail if the process exits first",
@@ -402,11 +452,12 @@ class CheckpointManager:
             self._rehearsal = rehearsal.rehearse(self.ctx, None if target == "newest" else target, None)
             return RestoreResult(next_update=self._rehearsal.next_update,
                                  generation=self._rehearsal.generation)
-        if self.memory is not None:
-            self.memory.before_restore()
-        result = resume(self.ctx, components, allow_contract_change, verify_digests)
-        if self.memory is not None:
-            self.memory.after_restore(self.comm, result)
+        with self.marks.section("restore", self.comm.timeout_s):
+            if self.memory is not None:
+                self.memory.before_restore()
+            result = resume(self.ctx, components, allow_contract_change, verify_digests)
+            if self.memory is not None:
+                self.memory.after_restore(self.comm, result)
         if self.schedule is not None and result.generation is not None:
             self.schedule.last_saved = result.next_update
         return result

@@ -35,6 +35,7 @@ LAUNCH_DIR_ENV = "DIST_CKPT_LAUNCH_DIR"
 RUN_ID_ENV = "DIST_CKPT_RUN_ID"
 MIRROR_ENV = "DIST_CKPT_MIRROR"
 REPORT_PREFIX = "rank-"
+PREEMPT_NOTICE_NAME = "preempt"  # written by the launcher in the start's directory: save, then stop
 
 
 class WorkerFailure(TypedDict):
@@ -68,6 +69,12 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
 
 def launch_dir() -> str | None:
     return os.environ.get(LAUNCH_DIR_ENV) or None
+
+
+def preempt_notice_path() -> str | None:
+    """Where the launcher's preemption notice for this start appears; None outside it."""
+    directory = launch_dir()
+    return None if directory is None else os.path.join(directory, PREEMPT_NOTICE_NAME)
 
 
 def under_launcher() -> bool:

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dist_ckpt"
 
 # bottom to top; a module may import its own layer and the layers below (docs/architecture.md)
 LAYERS: list[set[str]] = [
-    {"errors", "version", "logs", "progress", "faults", "digests"},
+    {"errors", "version", "logs", "progress", "faults", "digests", "marks"},
     {"storage"},
     {"format", "runinfo"},
     {"protocol", "config"},

@@ -41,6 +41,7 @@ class Comm:
 
     def __init__(self, timeout_s: float = 1800.0) -> None:
         self.rank, self.world_size = current_rank_and_world()
+        self.timeout_s = timeout_s  # of the group's collectives: the bound of a restore
         self.distributed = self.world_size > 1 or (dist.is_available() and dist.is_initialized())
         if self.distributed:
             # a rank may sit in a foreground all-gather while a peer blocks on its oldest save

@@ -24,6 +24,8 @@ from .comm import Comm
 
 PINS_KEY = "pins"
 MIRROR_PINNED_KEY = "mirror/pinned"
+PREEMPT_TARGET_KEY = "preempt/target"  # the update every rank saves before stopping
+PREEMPT_ACK_KEY = "preempt/acks"  # how many ranks know the target
 _STOP = "__stop__"
 
 Message = TypeVar("Message", "RankReport", "CommitOutcome", "MirrorAnnouncement", "MirrorReport")

@@ -1,0 +1,89 @@
+"""A preemption under the launcher: every rank saves the same update, durably, then stops.
+
+Protocol (one watch thread per rank; the main thread only at the calls that mark progress):
+
+1. The launcher (SIGTERM, ``--preempt-signal``, the stop file) writes the notice file in each
+   start's directory of its node (``runinfo.preempt_notice_path``); it signals no worker.
+2. Each rank's watch thread polls the notice file and the store key ``PREEMPT_TARGET_KEY``
+   every ``POLL_S``; either one marks the rank as ``noticed``.
+3. The main thread of a rank that noticed first, at its next call with ``next_update`` U
+   (``save``, ``maybe_save``, ``heartbeat``), proposes U + 1 by compare-and-set (the first
+   proposal wins) and waits until every rank acknowledged the target (bounded by
+   ``timeout_s``). No rank can pass its call U + 1 before this rank passes it (every
+   training step needs every rank), so every rank knows the target before reaching it.
+4. A watch thread that reads the target acknowledges it (``PREEMPT_ACK_KEY``) and ends.
+5. :meth:`PreemptionWatch.due` is True from the call whose ``next_update`` reaches the
+   target on: the manager saves that update whatever the cadence says, waits until it is
+   durable on the root, and raises ``Preempted``.
+
+With nothing pending, ``due`` reads one attribute: no system call, no collective.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from .. import logs
+from ..protocol.comm import Comm
+from ..protocol.messages import PREEMPT_ACK_KEY, PREEMPT_TARGET_KEY
+
+log = logs.get(__name__)
+POLL_S = 0.1
+
+
+class PreemptionWatch:
+    def __init__(self, comm: Comm, notice_path: str | None, timeout_s: float) -> None:
+        self.comm = comm
+        self.notice_path = notice_path
+        self.timeout_s = timeout_s
+        self.noticed = False
+        self.target: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if notice_path is not None:
+            self._thread = threading.Thread(target=self._watch, daemon=True, name="dist-ckpt-preempt")
+            self._thread.start()
+
+    def due(self, next_update: int) -> bool:
+        """Main thread, at each progress call: whether this call must save and stop."""
+        if not self.noticed:
+            return False
+        if self.target is None:
+            self._propose(next_update + 1)
+        assert self.target is not None
+        return next_update >= self.target
+
+    def _propose(self, target: int) -> None:
+        agreed = self.comm.store.compare_set(PREEMPT_TARGET_KEY, "", str(target))
+        self.target = int(agreed)
+        log.warning("preemption notice: every rank saves update %d, then stops", self.target)
+        deadline = time.monotonic() + self.timeout_s
+        while self.comm.store.add(PREEMPT_ACK_KEY, 0) < self.comm.world_size:
+            if time.monotonic() >= deadline:
+                log.error("not every rank acknowledged the preemption target within %.0f s",
+                          self.timeout_s)
+                return
+            time.sleep(0.01)
+
+    def _watch(self) -> None:
+        assert self.notice_path is not None
+        while not self._stop.wait(POLL_S):
+            try:
+                if self.target is None and self.comm.store.check([PREEMPT_TARGET_KEY]):
+                    self.target = int(self.comm.store_get(PREEMPT_TARGET_KEY))
+                if self.target is not None:
+                    self.noticed = True
+                    self.comm.store.add(PREEMPT_ACK_KEY, 1)
+                    return
+                if os.path.exists(self.notice_path):
+                    self.noticed = True
+            except Exception:  # noqa: BLE001 - the store is gone (a peer or the job ended)
+                log.debug("preemption watch stopped", exc_info=True)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
