@@ -7,7 +7,7 @@ is downloaded once into a private local directory, hashed while it streams, comp
 the manifest's size and digest, and only then read (or unpickled) from that local copy.
 
 Protocol: construct per load on every rank with the generation's trusted manifest; pass it
-to ``dcp.load``; call ``cleanup()`` afterwards (the local copies are deleted).
+to ``dcp.load``; call ``close()`` afterwards (the local copies are deleted).
 """
 
 from __future__ import annotations
@@ -117,4 +117,3 @@ class VerifiedObjectReader(FileSystemReader):
     def close(self) -> None:
         shutil.rmtree(self.local_dir, ignore_errors=True)
 
-    cleanup = close
