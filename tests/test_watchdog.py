@@ -171,7 +171,8 @@ def test_a_straggler_that_recovers_is_cleared_once() -> None:
         begin = max(times.values())
         times = {0: begin + 0.1, 1: begin + 0.1 + extra}
         lines += tracker.observe({r: M(r, update, t, count=update) for r, t in times.items()})
-    assert [line.split(":")[0] for line in lines] == ["[launch] straggler", "[launch] rank 1 on n no longer a straggler"]
+    assert [line.split(":")[0] for line in lines] == [
+        "[launch] straggler", "[launch] rank 1 on n no longer a straggler"]
 
 
 def test_options_validate_with_clear_errors(capsys: pytest.CaptureFixture[str]) -> None:
