@@ -51,7 +51,7 @@ def main() -> None:
                 options.marker and os.path.exists(options.marker)):
             if options.marker:
                 with open(options.marker, "w") as marker:
-                    marker.write(f"{time.time()}\n")  # when the rank stopped (unix time)
+                    marker.write(f"{time.time()} {os.getpid()}\n")  # when and who stopped
             os.kill(os.getpid(), signal.SIGSTOP)
         return original(self, next_update, **kwargs)
 
