@@ -16,7 +16,9 @@ deadline counts as hung. The start is hung when no rank made progress for the ti
 ``--hang-timeout`` seconds, or with ``auto`` 10 x the longest interval between two
 consecutive marks of one rank seen in any start of this launcher, at least 60 s. Before the
 start's first mark (no rank has marked yet) the timeout is ``--startup-timeout``, counted from
-the start's launch. The suspects are the ranks furthest behind: the lowest update (a rank
+the start's launch, and once every rank has been seen inside ``finish`` it applies again (the
+teardown after DONE: gathering final tensors, destroying process groups, interpreter exit,
+which no mark covers). The suspects are the ranks furthest behind: the lowest update (a rank
 that never marked is lowest of all), and among those the ones whose last progress is oldest;
 a rank past its section's deadline is a suspect before any other.
 
@@ -104,10 +106,12 @@ class Watchdog:
         self.tie_s = tie_s  # ranks whose last progress is this close to the oldest are suspects too
         self.longest_s = 0.0  # over every start of this launcher
         self.launched = 0.0
+        self._finishing: set[int] = set()  # ranks seen inside finish() in this start
 
     def begin(self, now: float) -> None:
         """A start was launched at ``now``."""
         self.launched = now
+        self._finishing.clear()
 
     def timeout_s(self) -> float:
         """The hang timeout once a rank has marked: fixed, or learned (auto)."""
@@ -119,14 +123,18 @@ class Watchdog:
         """The verdict for this poll: None while some rank progresses within the timeout."""
         for mark in marks.values():
             self.longest_s = max(self.longest_s, mark.longest_s)
+        self._finishing.update(m.rank for m in marks.values() if m.section == "finish")
         progress = [_progress(m, now, self.launched) for m in marks.values()]
         started = any(p.update is not None for p in progress)
-        timeout = self.timeout_s() if started else self.startup_timeout
+        tearing_down = bool(marks) and self._finishing >= set(marks)
+        timeout = self.timeout_s() if started and not tearing_down else self.startup_timeout
         last = max([self.launched, *(p.at_s for p in progress)])
         if now - last <= timeout:
             return None
         suspects = self._suspects(progress)
-        if started:
+        if tearing_down:
+            head = f"no exit {now - last:.0f} s after finish (startup timeout {timeout:g} s)"
+        elif started:
             head = f"no progress for {now - last:.0f} s (hang timeout {timeout:g} s)"
         else:
             head = f"no rank marked progress within the startup timeout of {timeout:g} s"

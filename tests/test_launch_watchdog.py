@@ -85,8 +85,8 @@ def test_a_save_slower_than_the_hang_timeout_is_no_hang(tmp_path, monkeypatch) -
     # save section (well within the example's 120 s commit timeout)
     monkeypatch.setenv("DIST_CKPT_FAULTS", '{"write.before": {"delay_s": 8}}')
     root = str(tmp_path / "root")
-    result = launch(root, "--hang-timeout", "5", "--backoff", "0.5", script=STALL_JOB,
-                    script_args=("--", "--updates", "6", "--save-every", "3"))
+    result = launch(root, "--hang-timeout", "5", "--backoff", "0.5",
+                    script_args=("--updates", "6", "--save-every", "3"))
     assert result.returncode == 0, result.output[-4000:]
     assert [s["classification"] for s in result.starts] == ["done"], result.output[-4000:]
     assert "hung" not in result.output

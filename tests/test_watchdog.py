@@ -96,6 +96,22 @@ def test_startup_timeout_applies_before_the_first_mark() -> None:
     assert dog.observe(restoring, 2101.0) is not None
 
 
+def test_teardown_after_finish_gets_the_startup_timeout() -> None:
+    dog = Watchdog(5, 300)
+    dog.begin(0.0)
+    dog.observe(marks(M(0, 6, 10.0, section="finish", deadline_s=900.0),
+                      M(1, 6, 10.0, section="finish", deadline_s=900.0)), 12.0)
+    assert dog.observe(marks(M(0, 6, 10.0), M(1, 6, 10.0, section="finish", deadline_s=900.0)), 20.0) is None
+    finished = marks(M(0, 6, 10.0), M(1, 6, 10.0))
+    assert dog.observe(finished, 309.0) is None
+    hung = dog.observe(finished, 311.0)
+    assert hung is not None and hung.reason.startswith("no exit 301 s after finish (startup timeout 300 s)")
+    # only some ranks got to finish: the others are not tearing down, the hang timeout holds
+    dog.begin(400.0)
+    dog.observe(marks(M(0, 6, 410.0, section="finish", deadline_s=900.0), M(1, 5, 409.0)), 411.0)
+    assert dog.observe(marks(M(0, 6, 410.0), M(1, 5, 409.0)), 416.0) is not None
+
+
 def test_a_rank_that_never_marked_is_the_suspect() -> None:
     dog = Watchdog(5, 900)
     dog.begin(0.0)
