@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from dist_ckpt.testing import free_port
 from tests.helpers import launchlib
 from tests.helpers.launchlib import launch
 
@@ -117,3 +118,37 @@ def test_a_straggler_is_named_and_nobody_in_a_balanced_run(tmp_path) -> None:
     print(f"balanced: {ranks}")
     assert sorted(ranks) == ["0", "1"] and not any(r["straggler"] for r in ranks.values()), ranks
     assert all(r["updates_seen"] >= 40 and r["median_s_per_update"] > 0 for r in ranks.values())
+
+
+@pytest.mark.long(reason="two launchers as two nodes, each starting torchrun's agent and a worker "
+                         "twice, with a 20 s hang timeout and a 10 s grace between the starts")
+def test_two_nodes_both_detect_a_hang_on_one_node(tmp_path) -> None:
+    args = ("--updates", "10", "--save-every", "2")
+    launchlib.reference(str(tmp_path / "reference"), *args, "--dump-final", str(tmp_path / "reference.pt"))
+    root, marker, port = str(tmp_path / "root"), tmp_path / "stopped", free_port()
+    procs = [subprocess.Popen(
+        launchlib.command(root, "--run-id", "job", "--hang-timeout", "20", "--backoff", "1", nproc=1,
+                          nnodes=2, rdzv_port=port, rdzv_id="hang-two-nodes", script=STALL_JOB,
+                          script_args=("--sigstop-at", "5", "--sigstop-rank", "1", "--marker",
+                                       str(marker), "--", *args,
+                                       "--dump-final", str(tmp_path / f"final{node}.pt"))),
+        cwd=launchlib.REPO, env=launchlib.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for node in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=420)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, output in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, output[-4000:]
+        assert "[launch] hung: no progress for" in output, output[-4000:]
+    log = launchlib.read_log(root)  # both launchers append to the shared root's log
+    assert sorted(s["classification"] for s in log) == ["done", "done", "hung", "hung"], log
+    assert any("suspect rank 1 (update 4," in s["reason"] for s in log if s["classification"] == "hung")
+    assert not running(int(marker.read_text().split()[1]))
+    final = tmp_path / "final0.pt" if (tmp_path / "final0.pt").exists() else tmp_path / "final1.pt"
+    expected = torch.load(tmp_path / "reference.pt", weights_only=True)
+    got = torch.load(final, weights_only=True)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
