@@ -23,8 +23,7 @@ from typing import Any
 from dist_ckpt.launcher_api import WorkerReport, find_done
 
 DONE, FINISHED, STOPPED, PERMANENT, TRANSIENT = "done", "finished", "stopped", "permanent", "transient"
-HUNG = "hung"
-RESTARTED = frozenset({TRANSIENT, HUNG})  # the kinds after which the loop starts again
+HUNG = "hung"  # transient too: not in ENDS_THE_LOOP, the loop starts again
 STOPPED_EXIT = 128 + 15  # a worker that exits on the agent's SIGTERM
 ENDS_THE_LOOP = frozenset({DONE, FINISHED, STOPPED, PERMANENT})
 

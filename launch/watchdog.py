@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,13 +59,20 @@ CLEAR_SHARE = 0.75  # a straggler is cleared below 1 + 0.75 x (factor - 1) x the
 class MarkLike(Protocol):
     """What the watchdog reads of a rank's mark (``dist_ckpt.launcher_api.Mark``)."""
 
-    rank: int
-    update: int
-    mark_s: float
-    longest_s: float
-    section: str
-    deadline_s: float
-    count: int
+    @property
+    def rank(self) -> int: ...
+    @property
+    def update(self) -> int: ...
+    @property
+    def mark_s(self) -> float: ...
+    @property
+    def longest_s(self) -> float: ...
+    @property
+    def section(self) -> str: ...
+    @property
+    def deadline_s(self) -> float: ...
+    @property
+    def count(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -119,7 +127,7 @@ class Watchdog:
             return max(AUTO_MIN_S, AUTO_FACTOR * self.longest_s)
         return float(self.hang_timeout)
 
-    def observe(self, marks: dict[int, MarkLike], now: float) -> Hung | None:
+    def observe(self, marks: Mapping[int, MarkLike], now: float) -> Hung | None:
         """The verdict for this poll: None while some rank progresses within the timeout."""
         for mark in marks.values():
             self.longest_s = max(self.longest_s, mark.longest_s)
@@ -200,7 +208,7 @@ class Stragglers:
         self._last.clear()
         self.named.clear()
 
-    def observe(self, marks: dict[int, MarkLike]) -> list[str]:
+    def observe(self, marks: Mapping[int, MarkLike]) -> list[str]:
         """Take this poll's new marks; returns one line per rank that became, or stopped
         being, a straggler."""
         fresh = False
@@ -231,7 +239,7 @@ class Stragglers:
         every = [i for rank in self._samples for i in self._intervals(rank)]
         return statistics.median(every) if every else None
 
-    def _record_leads(self, marks: dict[int, MarkLike], pace: float) -> None:
+    def _record_leads(self, marks: Mapping[int, MarkLike], pace: float) -> None:
         latest = {rank: samples[-1] for rank, samples in self._samples.items() if rank in marks}
         offsets = {rank: t - pace * u for rank, (u, t) in latest.items()}
         last = max(offsets.values())
