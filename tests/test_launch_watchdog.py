@@ -105,7 +105,6 @@ def test_a_straggler_is_named_and_nobody_in_a_balanced_run(tmp_path) -> None:
     assert [rank for rank, _, _ in named] == ["1"], lagging.output[-4000:]
     assert float(named[0][1]) > 1.5 * float(named[0][2])
     ranks = lagging.starts[0]["ranks"]
-    print(f"\nlagging: {ranks}")
     assert ranks["1"]["straggler"] and not ranks["0"]["straggler"], ranks
     assert ranks["1"]["updates_seen"] >= 40
 
@@ -115,7 +114,6 @@ def test_a_straggler_is_named_and_nobody_in_a_balanced_run(tmp_path) -> None:
     assert "[launch] straggler" not in balanced.output and "a straggler" not in balanced.output, \
         balanced.output[-4000:]
     ranks = balanced.starts[0]["ranks"]
-    print(f"balanced: {ranks}")
     assert sorted(ranks) == ["0", "1"] and not any(r["straggler"] for r in ranks.values()), ranks
     assert all(r["updates_seen"] >= 40 and r["median_s_per_update"] > 0 for r in ranks.values())
 
