@@ -23,10 +23,14 @@ Call order (the launcher's main thread, one launcher per node):
 2. before each start: :func:`newest_generation_bytes` and :func:`free_bytes` (the free-space
    preflight); the environment of the workers: ``ROOT_ENV``, ``RUN_ID_ENV``,
    ``LAUNCH_DIR_ENV``, ``MIRROR_ENV`` (:func:`mirror_run_url`);
-3. after each start: :func:`read_reports` (what each rank wrote through ``dist_ckpt.runinfo``),
+3. during each start, every poll: :func:`read_marks` (each rank's :class:`Mark`: its last
+   update, when, and whether it is inside a save, restore or finish), for the watchdog;
+4. after each start: :func:`read_reports` (what each rank wrote through ``dist_ckpt.runinfo``),
    :func:`find_done` (did the run finish), :func:`latest_update` (how far it got).
 
-``dist-ckpt plan`` calls :func:`launch_log_dirs` to find the launcher's log for a checkpoint root.
+``dist-ckpt plan`` and ``dist-ckpt runs`` call :func:`launch_log_dirs` to find the launcher's log
+for a checkpoint root; ``RUNS_COMMAND`` is the latter's name (spelled here: it is the layout's
+word for runs).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from .config import ROOT_ENV
 from .errors import DistCkptError
 from .format.manifest import parse_generation, read_latest_name
 from .format.validate import read_manifest
+from .marks import Mark, read_marks
 from .memory.paths import PREFIX as MEMORY_DIR_PREFIX
 from .memory.paths import SHM_DIR_ENV
 from .memory.paths import base_dir as memory_base_dir
@@ -50,10 +55,11 @@ from .storage.local import atomic_write, free_bytes
 
 __all__ = [
     "CURRENT_NAME", "LAUNCH_DIR_ENV", "LAUNCH_LOG_NAME", "LEGACY_RUN_ID", "MEMORY_DIR_PREFIX",
-    "MIRROR_ENV", "ROOT_ENV", "RUNS_DIR", "RUN_ID_ENV", "SHM_DIR_ENV", "STARTS_DIR", "STOP_NAME",
-    "DoneRecord", "WorkerReport", "atomic_write", "can_name_memory_dir", "find_done", "free_bytes",
-    "holds_generations", "latest_update", "launch_log_dirs", "memory_base_dir", "memory_dir",
-    "mirror_run_url", "newest_generation_bytes", "read_report", "read_reports", "run_root",
+    "MIRROR_ENV", "ROOT_ENV", "RUNS_COMMAND", "RUNS_DIR", "RUN_ID_ENV", "SHM_DIR_ENV", "STARTS_DIR",
+    "STOP_NAME", "DoneRecord", "Mark", "WorkerReport", "atomic_write", "can_name_memory_dir",
+    "find_done", "free_bytes", "holds_generations", "latest_update", "launch_log_dirs",
+    "memory_base_dir", "memory_dir", "mirror_run_url", "newest_generation_bytes", "read_marks",
+    "read_report", "read_reports", "run_root",
 ]
 
 # ---- the layout -------------------------------------------------------------------------
@@ -63,6 +69,7 @@ STARTS_DIR = ".launch"
 LAUNCH_LOG_NAME = "launch-log.jsonl"
 STOP_NAME = "STOP"
 LEGACY_RUN_ID = "root"
+RUNS_COMMAND = "runs"  # dist-ckpt runs ROOT: the runs and starts of LAUNCHROOT/launch-log.jsonl
 
 
 def run_root(launch_root: str, run_id: str) -> str:

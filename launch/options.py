@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch.distributed.run import get_args_parser
@@ -19,6 +20,9 @@ from torch.distributed.run import get_args_parser
 from dist_ckpt.launcher_api import RUNS_DIR, STOP_NAME
 
 DEFAULT_BACKOFF = (10.0, 20.0, 40.0)
+DEFAULT_STARTUP_TIMEOUT = 900.0
+DEFAULT_STRAGGLER_FACTOR = 1.5
+DEFAULT_STRAGGLER_WINDOW = 20
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -35,6 +39,10 @@ class LaunchOptions:
     torchrun_argv: list[str]
     torchrun: argparse.Namespace
     notes: list[str] = field(default_factory=list)
+    hang_timeout: float | str = "auto"
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    straggler_factor: float = DEFAULT_STRAGGLER_FACTOR
+    straggler_window: int = DEFAULT_STRAGGLER_WINDOW
 
     def backoff_before(self, start: int) -> float:
         """Seconds to wait before start number ``start`` (2, 3, ...)."""
@@ -69,6 +77,49 @@ def _bytes(text: str) -> int:
     return int(match.group(1)) * units[match.group(2)]
 
 
+def _seconds(name: str) -> Callable[[str], float]:
+    def parse_seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} wants seconds, not {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{name} must be a positive number of seconds, not {text}")
+        return value
+    return parse_seconds
+
+
+def _hang_timeout(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return _seconds("--hang-timeout")(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"--hang-timeout wants seconds (> 0) or auto, not {text!r}") from None
+
+
+def _factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--straggler-factor wants a number, not {text!r}") from None
+    if not 1 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--straggler-factor must be more than 1, not {text}")
+    return value
+
+
+def _window(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--straggler-window wants a number of updates, not {text!r}") from None
+    if value < 3:
+        raise argparse.ArgumentTypeError(f"--straggler-window must be at least 3 updates, not {value}")
+    return value
+
+
 def _run_id(text: str) -> str:
     if not _RUN_ID.match(text):
         raise argparse.ArgumentTypeError(f"--run-id {text!r}: letters, digits, '_', '.', '-' only")
@@ -97,6 +148,20 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
                             "or the next number); give the same one on every node")
     group.add_argument("--mirror", default=None, metavar="URL",
                        help=f"object-store URL; each run replicates to URL/{RUNS_DIR}/<id>")
+    group.add_argument("--hang-timeout", type=_hang_timeout, default="auto", metavar="SECONDS|auto",
+                       help="end a start (outcome hung, restarted) when no rank made progress for "
+                            "this long; auto: 10 x the longest interval between two marks of a "
+                            "rank seen in this run, at least 60 s (default auto)")
+    group.add_argument("--startup-timeout", type=_seconds("--startup-timeout"),
+                       default=DEFAULT_STARTUP_TIMEOUT, metavar="SECONDS",
+                       help="the hang timeout before a start's first mark: imports, rendezvous "
+                            f"and restore (default {DEFAULT_STARTUP_TIMEOUT:g})")
+    group.add_argument("--straggler-factor", type=_factor, default=DEFAULT_STRAGGLER_FACTOR,
+                       metavar="F", help="name a rank whose own time per update is more than F x "
+                                         f"the job's (default {DEFAULT_STRAGGLER_FACTOR:g})")
+    group.add_argument("--straggler-window", type=_window, default=DEFAULT_STRAGGLER_WINDOW,
+                       metavar="N", help="updates in the sliding window of the straggler medians "
+                                         f"(default {DEFAULT_STRAGGLER_WINDOW})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,4 +211,6 @@ def parse(argv: list[str]) -> LaunchOptions:
         fresh=args.fresh, min_free_bytes=args.min_free_bytes, run_id=args.run_id,
         mirror=args.mirror.rstrip("/") if args.mirror else None,
         torchrun_argv=["--max-restarts", "0", *torchrun_head, *script_part],
-        torchrun=args, notes=notes)
+        torchrun=args, notes=notes, hang_timeout=args.hang_timeout,
+        startup_timeout=args.startup_timeout, straggler_factor=args.straggler_factor,
+        straggler_window=args.straggler_window)

@@ -8,7 +8,10 @@
 4. ``permanent``: a worker reported an error no restart can cure (bad config, contract
    mismatch, torch version refused, no space, a key that rejects every generation), or the
    preflight found the script missing or the disk too full. Stop, exit non-zero.
-5. ``transient``: anything else (a killed worker, OOM, a collective timeout, a lost node):
+5. ``hung``: the launcher's watchdog ended the start: no rank made progress for the hang
+   timeout (:mod:`launch.watchdog`); the reason names the suspects. Restarted like a transient
+   failure.
+6. ``transient``: anything else (a killed worker, OOM, a collective timeout, a lost node):
    back off, and start again from the newest validated generation.
 """
 
@@ -20,6 +23,7 @@ from typing import Any
 from dist_ckpt.launcher_api import WorkerReport, find_done
 
 DONE, FINISHED, STOPPED, PERMANENT, TRANSIENT = "done", "finished", "stopped", "permanent", "transient"
+HUNG = "hung"  # transient too: not in ENDS_THE_LOOP, the loop starts again
 STOPPED_EXIT = 128 + 15  # a worker that exits on the agent's SIGTERM
 ENDS_THE_LOOP = frozenset({DONE, FINISHED, STOPPED, PERMANENT})
 
@@ -82,7 +86,8 @@ def permanent_reason(reports: dict[int, WorkerReport]) -> str | None:
 
 
 def classify(*, run_root: str, reports: dict[int, WorkerReport], result: dict[str, Any] | None,
-             agent_rc: int | None, stop_reason: str | None, mirror: str | None) -> Verdict:
+             agent_rc: int | None, stop_reason: str | None, mirror: str | None,
+             hung: str | None = None) -> Verdict:
     done = done_verdict(run_root, reports, mirror)
     if done is not None:
         return done
@@ -93,4 +98,6 @@ def classify(*, run_root: str, reports: dict[int, WorkerReport], result: dict[st
     permanent = permanent_reason(reports)
     if permanent is not None:
         return Verdict(PERMANENT, permanent)
+    if hung is not None:
+        return Verdict(HUNG, hung)
     return Verdict(TRANSIENT, failure_summary(result, agent_rc))

@@ -30,6 +30,9 @@ class StartRecord:
     reason: str = ""
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     memory_bytes: int | None = None  # bytes under the run's shared-memory directory at the end
+    # per rank of this node (key: the rank as text): median_s_per_update (own time per update,
+    # launch.watchdog), updates_seen, straggler
+    ranks: dict[str, dict[str, float | int | bool | None]] = field(default_factory=dict)
 
     def line(self) -> str:
         resumed = {None: "resume point unknown", "fresh": "fresh start"}.get(

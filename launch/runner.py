@@ -5,6 +5,9 @@ start runs ``python -m launch.agent`` (torch's elastic launcher) in its own sess
 it while watching the stop file, classifies the outcome (:mod:`launch.policy`), logs one line
 and one JSON record, then stops or backs off and starts again. SIGTERM/SIGINT to the launcher
 are forwarded once to the agent, which forwards them to the workers; no further start follows.
+While a start runs, every poll reads the ranks' progress marks: the watchdog
+(:mod:`launch.watchdog`) ends a start that no rank advances (outcome ``hung``, restarted) and
+names the stragglers.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,11 +26,12 @@ from typing import Any
 
 from dist_ckpt import launcher_api as api
 
-from . import memory_dir, policy, records
+from . import memory_dir, policy, records, watchdog
 from .options import LaunchOptions
 from .rundir import choose_run
 
 POLL_S = 0.2
+END_GRACE_S = 10.0  # between the SIGTERM that ends a hung start and the SIGKILL
 EXIT_OK, EXIT_PERMANENT, EXIT_GAVE_UP, EXIT_STOPPED = 0, 1, 3, 4
 _PR_SET_PDEATHSIG = 1
 
@@ -36,6 +41,43 @@ def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
+        pass
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (the agent's workers), from /proc."""
+    found = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[1] == str(pid):
+            found.add(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie is over: its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    # each worker leads its own process group (its own session): the group holds its children too
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -50,6 +92,10 @@ class Launcher:
         self._agent: subprocess.Popen | None = None
         self._signal: int | None = None
         self._wake = threading.Event()
+        self.watchdog = watchdog.Watchdog(options.hang_timeout, options.startup_timeout)
+        self.stragglers = watchdog.Stragglers(options.straggler_factor, options.straggler_window,
+                                              socket.gethostname())
+        self._hung: str | None = None
 
     @property
     def mirror(self) -> str | None:
@@ -132,8 +178,10 @@ class Launcher:
         result = api.read_report(result_path)
         reports = api.read_reports(start_dir)
         verdict = policy.classify(run_root=self.run_dir, reports=reports, result=result,
-                                  agent_rc=agent_rc, stop_reason=stop, mirror=self.mirror)
+                                  agent_rc=agent_rc, stop_reason=stop, mirror=self.mirror,
+                                  hung=self._hung)
         record.classification, record.reason = verdict.kind, verdict.reason
+        record.ranks = self.stragglers.figures()
         self._describe(record, reports, result)
         if api.can_name_memory_dir(self.run_id):
             record.memory_bytes = memory_dir.used_bytes(self.run_id)
@@ -149,12 +197,24 @@ class Launcher:
         self._agent = subprocess.Popen(command, env=env, start_new_session=True,
                                        preexec_fn=_die_with_parent)
         stop: str | None = None
+        self._hung = None
+        self.watchdog.begin(time.monotonic())
+        self.stragglers.begin()
         try:
             while True:
                 try:
                     return self._agent.wait(timeout=POLL_S), stop
                 except subprocess.TimeoutExpired:
                     pass
+                if stop is None:
+                    marks = api.read_marks(start_dir)
+                    for line in self.stragglers.observe(marks):
+                        records.emit(line)
+                    hung = self.watchdog.observe(marks, time.monotonic())
+                    if hung is not None:
+                        self._hung = hung.reason
+                        records.emit(f"[launch] hung: {hung.reason}: ending the start")
+                        return self._end_start(self._agent, marks), stop
                 reason = self._stop_reason()
                 if reason is not None and stop is None:
                     stop = reason
@@ -163,6 +223,23 @@ class Launcher:
                     self._agent.send_signal(forwarded)  # torchrun forwards it to every worker
         finally:
             self._agent = None
+
+    def _end_start(self, agent: subprocess.Popen, marks: dict[int, api.Mark]) -> int | None:
+        """End a hung start: SIGTERM then SIGCONT (a stopped worker must get to handle the
+        SIGTERM) to the agent's process group and to each worker's (torchrun starts every
+        worker in a session of its own), then after END_GRACE_S SIGKILL to all of them, which
+        also ends a stopped or uninterruptible worker. Returns the agent's exit status."""
+        groups = [agent.pid, *sorted(_children(agent.pid) | {m.pid for m in marks.values() if m.pid > 0})]
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            for group in groups:
+                _signal_group(group, sig)
+        deadline = time.monotonic() + END_GRACE_S
+        while time.monotonic() < deadline and not (agent.poll() is not None and
+                                                   not any(_alive(pid) for pid in groups[1:])):
+            time.sleep(POLL_S)
+        for group in groups:
+            _signal_group(group, signal.SIGKILL)
+        return agent.wait()
 
     def _describe(self, record: records.StartRecord, reports: dict[int, api.WorkerReport],
                   result: dict[str, Any] | None) -> None:

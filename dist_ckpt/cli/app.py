@@ -1,7 +1,8 @@
 """``dist-ckpt`` command line: the generations under a checkpoint root, and its cadence.
 
 List, inspect, verify, pin, prune, quarantine (move aside) and remove (invalid only) the
-generations under a root; plan the checkpoint cadence (``plan``).
+generations under a root; plan the checkpoint cadence (``plan``); list the launcher's runs
+and their starts (``runs``).
 
 Exit codes: 0 success; 1 a generation is invalid (or its manifest unreadable) or the request
 was refused (a valid generation to ``rm``, a pinned one to ``quarantine``, ...); 2 usage errors
@@ -51,6 +52,7 @@ from .inspection import cmd_inspect, cmd_verify
 from .ops import cmd_pin, cmd_quarantine, cmd_rm
 from .plan import add_plan_parser
 from .rehearse import add_rehearse_parser
+from .runs import add_runs_parser
 
 FOOTNOTE = "ls checks sizes; `dist-ckpt verify` checks digests"
 PROGRESS_COMMANDS = frozenset({"verify", "export", "diff"})  # long work: bytes and rate
@@ -214,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = [*add_reading_parsers(sub), *add_changing_parsers(sub)]
     plan = add_plan_parser(sub)
     add_root(plan)
-    for cmd in [*commands, plan]:
+    runs = add_runs_parser(sub)
+    for cmd in [*commands, plan, runs]:
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
     add_rehearse_parser(sub)
     add_export_parser(sub)

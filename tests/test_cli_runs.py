@@ -1,0 +1,68 @@
+"""``dist-ckpt runs ROOT``: the launcher's runs, their starts and per-rank figures, from the
+records the launcher appends (launch.records.StartRecord), here written by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from dist_ckpt.cli.app import main
+from dist_ckpt.launcher_api import LAUNCH_LOG_NAME, run_root
+from launch.records import StartRecord, append
+
+
+def started(run_id: str, start: int, kind: str, reason: str, ranks: dict | None = None) -> StartRecord:
+    record = StartRecord(run_id=run_id, start=start, max_starts=3, nodes="1", procs_per_node="2",
+                         world_size=2, resumed_from="fresh" if start == 1 else "gen-000000000004",
+                         updates=6, duration_s=12.5, classification=kind, reason=reason)
+    record.ranks = ranks or {}
+    return record
+
+
+@pytest.fixture
+def launch_root(tmp_path: Path) -> Path:
+    hung = "no progress for 61 s (hang timeout 60 s); suspect rank 1 (update 5, last mark 61 s ago)"
+    figures = {"0": {"median_s_per_update": 0.123, "updates_seen": 45, "straggler": False},
+               "1": {"median_s_per_update": 0.224, "updates_seen": 45, "straggler": True}}
+    for record in (started("0001", 1, "hung", hung),
+                   started("0001", 2, "done", "DONE: gen-000000000012", figures),
+                   started("0002", 1, "done", "DONE: gen-000000000004")):
+        append(str(tmp_path), record)
+    with open(tmp_path / LAUNCH_LOG_NAME, "a") as log:
+        log.write('{"run_id": "0003", "start": 1, "classif')  # a launcher killed mid-append
+    return tmp_path
+
+
+def test_runs_lists_starts_and_rank_figures(launch_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["runs", str(launch_root)]) == 0
+    out = capsys.readouterr().out
+    assert f"{launch_root}/{LAUNCH_LOG_NAME}: 2 run(s)" in out
+    assert "run 0001: 2 start(s)" in out and "run 0002: 1 start(s)" in out
+    assert "hung" in out and "suspect rank 1 (update 5" in out
+    assert ("start 2 ranks: rank 0 median 0.123 s/update over 45 updates; "
+            "rank 1 median 0.224 s/update over 45 updates, straggler") in out
+
+
+def test_runs_json_and_one_run_from_a_run_root(launch_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = run_root(str(launch_root), "0001")
+    os.makedirs(run)
+    assert main(["runs", run, "--run", "0001", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert list(shown["by_run"]) == ["0001"]
+    assert [s["classification"] for s in shown["by_run"]["0001"]] == ["hung", "done"]
+    assert shown["by_run"]["0001"][1]["ranks"]["1"]["straggler"] is True
+    assert shown["by_run"]["0001"][1] == json.loads(json.dumps(asdict(started(
+        "0001", 2, "done", "DONE: gen-000000000012", shown["by_run"]["0001"][1]["ranks"]))))
+
+
+def test_runs_without_a_log_or_run_is_a_usage_error(
+        launch_root: Path, tmp_path_factory: pytest.TempPathFactory,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["runs", str(tmp_path_factory.mktemp("empty"))]) == 2
+    assert "no launch-log.jsonl under" in capsys.readouterr().err
+    assert main(["runs", str(launch_root), "--run", "0009"]) == 2
+    assert "no run '0009'" in capsys.readouterr().err
