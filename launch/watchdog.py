@@ -34,9 +34,11 @@ left is the time it spent on its own work; the waiting is charged to the rank th
 Medians run over a sliding window of the last ``--straggler-window`` updates each rank marked.
 The job's figure is the lower median of the ranks' figures (with two ranks: the faster one),
 so one straggler cannot raise the reference it is compared with. A rank is a straggler while
-its figure is more than ``--straggler-factor`` x the job's. A rank that spends 50% more time
-than the others on its own work has a ratio of 1.5: at the default factor it is the threshold,
-and a rank slower than that is named. A named rank is cleared once its figure falls below
+its figure is at least ``--straggler-factor`` x the job's (within ``FACTOR_TOLERANCE``: the
+figures are medians of clock differences, not exact). A rank that spends 50% more time than
+the others on its own work has a ratio of 1.5, the default factor: it is named, once its
+figure reached the factor at ``CONFIRM_POLLS`` polls in a row (a change of the job's pace
+moves every rank's figure for a moment). A named rank is cleared once its figure falls below
 ``1 + 0.75 x (factor - 1)`` x the job's (1.375 at the default), so jitter around the factor
 does not print a line per poll.
 """
@@ -53,6 +55,8 @@ AUTO = "auto"
 AUTO_MIN_S = 60.0
 AUTO_FACTOR = 10.0
 MIN_INTERVALS = 3  # samples a rank needs before it has a figure
+FACTOR_TOLERANCE = 0.01  # relative: a ratio within 1% of the factor counts as reaching it
+CONFIRM_POLLS = 2  # a rank is named once it reached the factor at this many polls in a row
 CLEAR_SHARE = 0.75  # a straggler is cleared below 1 + 0.75 x (factor - 1) x the job's figure
 
 
@@ -199,6 +203,7 @@ class Stragglers:
         self._first: dict[int, int] = {}
         self._last: dict[int, int] = {}
         self.named: set[int] = set()
+        self._over: dict[int, int] = {}  # consecutive polls at or over the factor, by rank
 
     def begin(self) -> None:
         """A new start: its ranks' samples begin afresh (a restart changes everything)."""
@@ -207,6 +212,7 @@ class Stragglers:
         self._first.clear()
         self._last.clear()
         self.named.clear()
+        self._over.clear()
 
     def observe(self, marks: Mapping[int, MarkLike]) -> list[str]:
         """Take this poll's new marks; returns one line per rank that became, or stopped
@@ -274,7 +280,10 @@ class Stragglers:
                 continue
             # hysteresis: a named rank is cleared only well below the factor (no line per jitter)
             bound = self.factor if rank not in self.named else 1 + CLEAR_SHARE * (self.factor - 1)
-            slow = own > bound * job
+            over = own >= bound * job * (1 - FACTOR_TOLERANCE)
+            # a change of the job's pace moves every figure for a poll: naming waits for a second
+            self._over[rank] = self._over.get(rank, 0) + 1 if over else 0
+            slow = self._over[rank] >= CONFIRM_POLLS if rank not in self.named else over
             if slow == (rank in self.named):
                 continue
             (self.named.add if slow else self.named.discard)(rank)

@@ -169,13 +169,15 @@ def test_a_rank_slower_than_the_factor_is_named_within_one_window(ranks: int) ->
     assert figures["1"]["median_s_per_update"] == pytest.approx(0.165, abs=0.01)
 
 
-def test_fifty_percent_more_own_work_is_the_factor_itself() -> None:
+def test_fifty_percent_more_own_work_is_the_factor_itself_and_is_named() -> None:
     """Own time per update is what the rank adds: 50% more work reads 1.5 x the job's, not the
-    job's pace (which every rank shares in lock step)."""
-    _, tracker = lock_step([0.0, 0.05])
+    job's pace (which every rank shares in lock step); at the default factor it is named."""
+    lines, tracker = lock_step([0.0, 0.05])
     assert tracker.figure(0) == pytest.approx(0.10, abs=1e-6)
     assert tracker.figure(1) == pytest.approx(0.15, abs=1e-6)
     assert tracker.job_figure() == pytest.approx(0.10, abs=1e-6)
+    assert [line.split(" on ")[0] for _, line in lines] == ["[launch] straggler: rank 1"]
+    assert lines[0][0] <= 20, "named later than one window"
 
 
 def test_a_straggler_that_recovers_is_cleared_once() -> None:
