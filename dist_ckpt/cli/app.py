@@ -29,7 +29,7 @@ from ..format.manifest import (
 from ..format.signing import key_from_env
 from ..ops.retention import prune, read_pins
 from ..save.replay import read_mirror_state
-from ..storage.base import StoreReader, open_store
+from ..storage.base import Store, StoreReader, open_store
 from ..version import __version__
 from .common import (
     PROG,
@@ -181,16 +181,31 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if tier.leaves_debris:
         removed.update(orphans=plan.orphans, multipart_aborted=plan.multipart_aborted)
     verb = "would remove" if args.dry_run else "removed"
+    kept = len(committed) - len(plan.generations)
     if args.json:
-        print(json.dumps({"dry_run": args.dry_run, **removed}))
-    else:
-        for kind, names in removed.items():
-            if isinstance(names, list):
-                for name in names:
-                    print(f"{verb} {kind[:-1] if kind.endswith('s') else kind}: {name}")
-        if removed.get("multipart_aborted"):
-            print(f"aborted {removed['multipart_aborted']} multipart upload(s)")
+        print(json.dumps({"dry_run": args.dry_run, **removed, "kept": kept}))
+        return 0
+    for kind, names in removed.items():
+        if isinstance(names, list):
+            for name in names:
+                print(f"{verb} {kind[:-1] if kind.endswith('s') else kind}: {name}")
+    if removed.get("multipart_aborted"):
+        print(f"aborted {removed['multipart_aborted']} multipart upload(s)")
+    if not any(removed.values()):
+        print(f"nothing to prune: {kept} generation(s) kept ({kept_because(args, tier.store)})")
     return 0
+
+
+def kept_because(args: argparse.Namespace, store: Store) -> str:
+    """Why nothing goes, in the flags' words (prune with nothing to remove must still answer)."""
+    reasons = [f"--keep-last {args.keep_last}" if args.keep_last is not None
+               else "no --keep-last: only leftovers of failed uploads go"]
+    if args.keep_every:
+        reasons.append(f"--keep-every {args.keep_every} milestones")
+    pins = read_pins(store)
+    if pins:
+        reasons.append(f"{len(pins)} pinned")
+    return ", ".join(reasons)
 
 
 LS_EPILOG = f"""\
@@ -239,11 +254,16 @@ def add_reading_parsers(sub: Any) -> list[argparse.ArgumentParser]:
     verify.set_defaults(func=cmd_verify)
     verify.add_argument("--all", action="store_true",
                         help="check every generation; exit 0 only if all are valid")
+    verify.add_argument("--newest-valid", action="store_true",
+                        help="check the newest committed generation alone, passing over newer "
+                             "broken ones (without GEN: latest.json's and every newer one)")
     for cmd in (ls, inspect, verify):
         add_root(cmd)
     for cmd in (inspect, verify):
         cmd.add_argument("generation", metavar="GEN", nargs="?",
-                         help="generation name (default: the newest committed one, else the newest)")
+                         help="generation name: gen-000000003300, gen-3300 or 3300 (default: "
+                              + ("the newest committed one, else the newest)" if cmd is inspect
+                                 else "what latest.json names, and every newer one)"))
     return [ls, inspect, verify]
 
 
@@ -277,7 +297,7 @@ def add_changing_parsers(sub: Any) -> list[argparse.ArgumentParser]:
     for cmd in (prune_cmd, pin, unpin, quarantine_cmd, rm):
         add_root(cmd)
     for cmd in (pin, unpin, quarantine_cmd):
-        cmd.add_argument("generation", metavar="GEN", help="generation name")
+        cmd.add_argument("generation", metavar="GEN", help="generation name (gen-3300 or 3300 too)")
     rm.add_argument("name", metavar="NAME",
                     help=f"generation name, or a quarantined entry ({REJECTED_DIR}/ENTRY or ENTRY)")
     return [prune_cmd, pin, unpin, quarantine_cmd, rm]

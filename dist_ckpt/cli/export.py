@@ -39,10 +39,9 @@ def size_arg(text: str) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     store = open_root(args.root)
-    if args.generation is not None:
-        checked_generation(store, args.generation)
+    generation = None if args.generation is None else checked_generation(store, args.generation)
     try:
-        info = export_generation(args.root, args.out, args.generation, dtype=args.dtype,
+        info = export_generation(args.root, args.out, generation, dtype=args.dtype,
                                  max_shard_bytes=args.max_shard_size, key=key_from_env())
     except OutputError as exc:  # an existing --out or a missing parent: a usage problem
         raise UsageError(str(exc)) from exc

@@ -27,8 +27,10 @@ from .common import (
     Refused,
     UsageError,
     checked_generation,
+    generation_arg,
     open_root,
     open_root_tier,
+    reported_here,
     safe_generation_name,
 )
 from .inspection import verify_result
@@ -74,7 +76,8 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     pins = read_pins(store)
     damage = None if args.force else refuse_quarantine(store, name, info, pins, key)
     reason = args.reason or damage or info.reason or "moved aside by an operator (dist-ckpt quarantine)"
-    target = tier.move_aside(Problem(name, reason, None if args.reason else info.path))
+    with reported_here():
+        target = tier.move_aside(Problem(name, reason, None if args.reason else info.path))
     if target is None:
         raise UsageError(f"{name} is not a directory under {store.root}")
     unpinned = change_pin(store, name, None).previous if name in pins else None
@@ -162,8 +165,9 @@ class QuarantinedCopy:
 def rm_target(store: Store, name: str) -> tuple[str, StoreReader, str]:
     """(path to delete relative to the root, store to validate through, generation name) for
     a generation or a quarantined entry (``ENTRY`` or ``rejected/ENTRY``)."""
-    if parse_generation(name) is not None:
-        return checked_generation(store, name), store, name
+    if parse_generation(generation_arg(name)) is not None:
+        full = checked_generation(store, name)
+        return full, store, full
     entry = name.removeprefix(f"{REJECTED_DIR}/")
     generation = rejected_generation(entry)
     if generation is None:

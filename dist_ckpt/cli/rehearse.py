@@ -18,16 +18,13 @@ import subprocess
 import sys
 from typing import Any
 
-from ..format.validate import list_generations
 from ..restore.rehearse import REHEARSE_ENV, read_rehearsals
-from .common import Refused, UsageError, open_root
+from .common import Refused, UsageError, checked_generation, open_root
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
     store = open_root(args.root)
-    target = args.generation or "newest"
-    if args.generation is not None and args.generation not in list_generations(store):
-        raise UsageError(f"no generation {args.generation!r} under {store.root}")
+    target = "newest" if args.generation is None else checked_generation(store, args.generation)
     if not os.path.isfile(args.script):
         raise UsageError(f"script not found: {args.script}")
     before = read_rehearsals(store)
