@@ -178,3 +178,50 @@ def test_quarantine_prints_its_result_once(root: Path, capsys: pytest.CaptureFix
     assert code == 0 and out.count("aside") == 1 and out.startswith(f"moved {GEN1} aside to ")
     assert err == "" and not [r for r in caplog.records if "aside" in r.getMessage()]
     assert logging.getLogger("dist_ckpt").level == logging.NOTSET  # the library's level is back
+
+
+# ---- item 10: rm, quarantine and a restore's move-aside repoint latest.json ----------------
+def latest_of(root: Path) -> str | None:
+    path = root / "latest.json"
+    return json.loads(path.read_text())["generation"] if path.exists() else None
+
+
+def test_rm_repoints_latest_at_the_newest_valid(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flip_byte(root / GEN3 / SHARD)
+    flip_byte(root / GEN2 / SHARD)  # not valid either: the pointer skips it
+    code, out, _ = run(capsys, "rm", str(root), "3", "--invalid-only")
+    assert code == 0 and f"{GEN3} now names" not in out
+    assert f"latest.json now names {GEN1} (it named {GEN3})" in out and latest_of(root) == GEN1
+    code, _, err = run(capsys, "ls", str(root))
+    assert code == 0 and "points to" not in err
+    # an rm of what latest.json does not name leaves it alone
+    code, out, _ = run(capsys, "rm", str(root), GEN2, "--invalid-only", "--json")
+    assert code == 0 and json.loads(out)["latest"] is None and latest_of(root) == GEN1
+
+
+def test_rm_of_the_last_valid_removes_the_pointer(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in (GEN1, GEN2, GEN3):
+        flip_byte(root / name / SHARD)
+    code, out, _ = run(capsys, "rm", str(root), GEN3, "--invalid-only", "--json")
+    assert code == 0 and json.loads(out)["latest"] == {"was": GEN3, "now": None}
+    assert latest_of(root) is None
+    code, _, err = run(capsys, "ls", str(root))
+    assert code == 0 and "points to" not in err
+
+
+def test_quarantine_of_latest_repoints_it(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "quarantine", str(root), GEN3, "--force")
+    assert code == 0 and f"latest.json now names {GEN2} (it named {GEN3})" in out
+    assert latest_of(root) == GEN2
+    code, out, _ = run(capsys, "quarantine", str(root), GEN1)  # not the latest: left alone
+    assert code == 0 and "latest.json" not in out and latest_of(root) == GEN2
+
+
+def test_restore_move_aside_repoints_latest(root: Path) -> None:
+    from dist_ckpt import CheckpointConfig, CheckpointManager
+
+    (root / GEN3 / SHARD).write_bytes(b"short")
+    with CheckpointManager(CheckpointConfig(root=str(root)), make_state()) as mgr:
+        result = mgr.restore()
+    assert result.next_update == 2 and not (root / GEN3).exists()
+    assert latest_of(root) == GEN2
