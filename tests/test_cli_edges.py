@@ -225,3 +225,28 @@ def test_restore_move_aside_repoints_latest(root: Path) -> None:
         result = mgr.restore()
     assert result.next_update == 2 and not (root / GEN3).exists()
     assert latest_of(root) == GEN2
+
+
+# ---- item 13: export's directory mode, index rule and source root -------------------------
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_export_takes_the_umask_and_records_an_absolute_root(root: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str],
+                                                             umask: int) -> None:
+    monkeypatch.chdir(root.parent)
+    old = os.umask(umask)
+    try:
+        code, out, _ = run(capsys, "export", root.name, "2", "--out", "release")
+    finally:
+        os.umask(old)
+    out_dir = root.parent / "release"
+    assert code == 0 and f"exported {GEN2} to {out_dir}" in out
+    assert out_dir.stat().st_mode & 0o777 == 0o777 & ~umask
+    for name in os.listdir(out_dir):
+        assert (out_dir / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    release = json.loads((out_dir / "release.json").read_text())
+    assert release["source_root"] == str(root) and release["generation"] == GEN2
+    # one rule: the index comes with every export, one shard or several
+    assert sorted(os.listdir(out_dir)) == ["model.safetensors", "model.safetensors.index.json",
+                                           "release.json"]
+    assert [n for n in os.listdir(root.parent) if ".tmp-" in n] == []
