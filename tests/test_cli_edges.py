@@ -250,3 +250,51 @@ def test_export_takes_the_umask_and_records_an_absolute_root(root: Path, tmp_pat
     assert sorted(os.listdir(out_dir)) == ["model.safetensors", "model.safetensors.index.json",
                                            "release.json"]
     assert [n for n in os.listdir(root.parent) if ".tmp-" in n] == []
+
+
+# ---- item 8: ls LAUNCHROOT lists the runs ---------------------------------------------------
+@pytest.fixture
+def launch_root(template: Path, tmp_path: Path) -> Path:
+    """A launcher root: run 0001 (three generations, no DONE), run 0002 (finished), an empty
+    run 0003, and ``current`` naming 0002. The layout's names come from launcher_api."""
+    from dist_ckpt import CheckpointConfig, CheckpointManager
+    from dist_ckpt.launcher_api import CURRENT_NAME, run_root
+
+    top = tmp_path / "launch"
+    shutil.copytree(template, run_root(str(top), "0001"))
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=run_root(str(top), "0002")), state) as mgr:
+        step(state)
+        mgr.finish(4, tokens_seen=40)
+    os.makedirs(run_root(str(top), "0003"))
+    (top / CURRENT_NAME).write_text("0002\n")
+    return top
+
+
+def test_ls_of_a_launcher_root_lists_its_runs(launch_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dist_ckpt.launcher_api import run_root
+
+    code, out, err = run(capsys, "ls", str(launch_root))
+    assert code == 0 and err == "" and "no generations" not in out
+    lines = out.splitlines()
+    assert lines[0] == f"launcher root {launch_root}: 3 run(s) under runs/"
+    row = {line.split()[1] if line.startswith("*") else line.split()[0]: line for line in lines[2:5]}
+    assert "3" in row["0001"].split() and GEN3 in row["0001"] and row["0001"].rstrip().endswith("not done")
+    assert row["0002"].startswith("*") and "gen-000000000004" in row["0002"]
+    assert row["0002"].rstrip().endswith("DONE (gen-000000000004)")
+    assert "(none)" in row["0003"]
+    assert f"list one run's generations: dist-ckpt ls {run_root(str(launch_root), '0002')}" in out
+    code, out, _ = run(capsys, "ls", str(launch_root), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["generations"] == []
+    runs = {r["run_id"]: r for r in data["launcher_runs"]}
+    assert (runs["0001"]["newest"], runs["0001"]["done"], runs["0001"]["generations"]) == (GEN3, False, 3)
+    assert (runs["0002"]["done_generation"], runs["0002"]["active"]) == ("gen-000000000004", True)
+    # the run's own listing, as the hint says
+    code, out, _ = run(capsys, "ls", run_root(str(launch_root), "0001"))
+    assert code == 0 and GEN3 in out and "launcher root" not in out
+
+
+def test_ls_of_a_plain_root_has_no_runs(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert code == 0 and "launcher_runs" not in json.loads(out)

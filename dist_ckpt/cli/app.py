@@ -27,6 +27,7 @@ from ..format.manifest import (
     rejected_generation,
 )
 from ..format.signing import key_from_env
+from ..launcher_api import RUNS_DIR
 from ..ops.retention import prune, read_pins
 from ..save.replay import read_mirror_state
 from ..storage.base import Store, StoreReader, open_store
@@ -37,6 +38,7 @@ from .common import (
     UsageError,
     error,
     human_bytes,
+    is_directory,
     latest_warnings,
     open_root,
     open_root_tier,
@@ -48,6 +50,7 @@ from .common import (
 from .diff import add_diff_parser
 from .export import add_export_parser
 from .inspection import cmd_inspect, cmd_verify
+from .launch_root import print_runs, run_records
 from .ops import cmd_pin, cmd_quarantine, cmd_rm
 from .plan import add_plan_parser
 from .rehearse import add_rehearse_parser
@@ -73,21 +76,13 @@ def quarantined_records(store: StoreReader) -> list[dict[str, Any]]:
     for entry in sorted(entries, reverse=True):  # same generation: newest move first
         generation = rejected_generation(entry)
         rel = f"{REJECTED_DIR}/{entry}"
-        if generation is None or not _is_directory(store, rel):
+        if generation is None or not is_directory(store, rel):
             continue
         records.append({"name": entry, "generation": generation,
                         "next_update": parse_generation(generation), "state": "quarantined",
                         "total_bytes": store.tree_size(rel), "latest": False,
                         "pin": None, "reason": first_reason_line(store, rel), "path": rel})
     return sorted(records, key=lambda rec: rec["next_update"], reverse=True)
-
-
-def _is_directory(store: StoreReader, rel: str) -> bool:
-    try:
-        store.listdir(rel)
-    except (StorageError, OSError):
-        return False
-    return True
 
 
 def first_reason_line(store: StoreReader, entry: str) -> str:
@@ -106,14 +101,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     quarantined = quarantined_records(store)
     mirror = mirror_status(store, records)
     warnings = latest_warnings(store, latest)
+    runs = run_records(store, key_from_env())  # a launcher root: its runs/
     if args.json:
         print(json.dumps({"root": store.root, "latest": latest, "generations": records,
-                          "quarantined": quarantined, "mirror": mirror, "warnings": warnings}, indent=1))
+                          "quarantined": quarantined, "mirror": mirror, "warnings": warnings,
+                          **({"launcher_runs": runs} if runs else {})}, indent=1))
         return 0
     for message in warnings:
         warn(message)
     if not records and not quarantined:
-        print(f"no generations under {store.root}")
+        if runs:
+            print_runs(store.root, runs)
+        else:
+            print(f"no generations under {store.root}")
         return 0
     print_ls_table(records, quarantined, pins, mirror)
     if mirror:
@@ -124,6 +124,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     else:
         print(f"({LATEST_NAME} is missing or unreadable)")
     print(FOOTNOTE)
+    if runs:  # a run continued in place beside the launcher's runs/
+        print(f"this is also a launcher root: {len(runs)} more run(s) under {RUNS_DIR}/; "
+              f"`dist-ckpt ls {store.root}/{RUNS_DIR}/ID` lists one")
     return 0
 
 
@@ -213,6 +216,10 @@ states: committed (structure and sizes check out), invalid, pending (a save in f
 abandoned), quarantined (moved aside to ROOT/{REJECTED_DIR}/ by restore or `dist-ckpt quarantine`;
 local roots only; named by that path, the reason is the first line of its {REASON_NAME}).
 {FOOTNOTE}.
+
+A launcher root (python -m launch --checkpoint-root, with {RUNS_DIR}/ below it): ls lists its
+runs, each with its newest committed generation and DONE state; `dist-ckpt ls
+LAUNCHROOT/{RUNS_DIR}/ID` lists one run (--json: "launcher_runs").
 
 --json prints {{"root", "latest", "generations", "quarantined", "mirror", "warnings"}}:
 quarantined entries are listed apart from the generations, each with name (its directory

@@ -13,7 +13,7 @@ from ..errors import StorageError, UnsafeNameError
 from ..format.inventory import GenerationInfo, inventory
 from ..format.manifest import LATEST_NAME, check_generation_name, generation_name, pending_update
 from ..format.signing import key_from_env
-from ..storage.base import Store
+from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier, open_tier
 
 PROG = "dist-ckpt"
@@ -109,6 +109,14 @@ def checked_generation(store: Store, name: str) -> str:
     if not store.exists(full):
         raise UsageError(f"no generation {full if full != name else repr(name)} under {store.root}")
     return full
+
+
+def is_directory(store: StoreReader, rel: str) -> bool:
+    try:
+        store.listdir(rel)
+    except (StorageError, OSError):
+        return False
+    return True
 
 
 def latest_warnings(store: Store, latest: str | None) -> list[str]:
