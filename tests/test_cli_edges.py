@@ -298,3 +298,21 @@ def test_ls_of_a_launcher_root_lists_its_runs(launch_root: Path, capsys: pytest.
 def test_ls_of_a_plain_root_has_no_runs(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "ls", str(root), "--json")
     assert code == 0 and "launcher_runs" not in json.loads(out)
+
+
+# ---- item 9: a rehearsal that ran no update fails -------------------------------------------
+def test_rehearsal_without_an_update_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from dist_ckpt.cli.rehearse import report
+
+    record = {"passed": True, "loss": None, "digest": "ab" * 32, "updates": 0, "time_unix": 1.0}
+    code = report(argparse.Namespace(json=False), 0, {GEN3: record})
+    out = capsys.readouterr().out
+    assert code == 1 and out.startswith(f"{GEN3}: rehearsal ran NO update: the script saved at update 3")
+    assert "passed" not in out
+    code = report(argparse.Namespace(json=True), 0, {GEN3: record})
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1 and data["problem"] == "no update ran" and data["updates"] == 0
+    code = report(argparse.Namespace(json=False), 0, {GEN3: {**record, "updates": 1}})
+    assert code == 0 and "rehearsal passed; state digest after 1 update(s)" in capsys.readouterr().out
