@@ -316,3 +316,10 @@ def test_rehearsal_without_an_update_fails(capsys: pytest.CaptureFixture[str]) -
     assert code == 1 and data["problem"] == "no update ran" and data["updates"] == 0
     code = report(argparse.Namespace(json=False), 0, {GEN3: {**record, "updates": 1}})
     assert code == 0 and "rehearsal passed; state digest after 1 update(s)" in capsys.readouterr().out
+
+
+def test_verify_root_with_a_pointer_at_a_missing_generation(root: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.rmtree(root / GEN3)  # deleted by hand: the pointer names nothing
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == 0 and out.startswith(f"{GEN2}: OK") and f"latest.json points to {GEN3}" in err

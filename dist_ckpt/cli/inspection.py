@@ -233,9 +233,12 @@ def verify_root(store: Store, args: argparse.Namespace, key: bytes | None) -> in
     result = verify_result(store, name, key)
     newer_results = [verify_result(store, other, key) for other in newer]
     all_ok = result["ok"] and all(other["ok"] for other in newer_results)
+    warnings = latest_warnings(store, read_latest_name(store))  # a pointer at what is gone
     if args.json:
-        print(json.dumps({**result, "newer": newer_results, "all_ok": all_ok}))
+        print(json.dumps({**result, "newer": newer_results, "all_ok": all_ok, "warnings": warnings}))
         return 0 if all_ok else 1
+    for message in warnings:
+        warn(message)
     for checked in [*newer_results, result]:  # newest first, as ls lists them
         print_verify(checked)
     broken = [other["generation"] for other in newer_results if not other["ok"]]
