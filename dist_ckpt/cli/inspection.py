@@ -249,8 +249,6 @@ def verify_root(store: Store, args: argparse.Namespace, key: bytes | None) -> in
 
 
 def verify_all(store: Store, args: argparse.Namespace) -> int:
-    if args.generation is not None:
-        raise UsageError("give GEN or --all, not both")
     names = list_generations(store)
     if not names:
         raise UsageError(f"no generation under {store.root}")
