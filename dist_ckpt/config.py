@@ -21,6 +21,46 @@ from .format.signing import KEY_ENV, key_from_env
 from .storage.base import is_remote
 
 ROOT_ENV = "DIST_CKPT_ROOT"
+_HIDDEN_VALUES = frozenset({"hmac_key", "storage_options"})  # secrets: never in a message
+_MAX_VALUE_CHARS = 80
+
+
+class FieldRuleError(ValueError):
+    """A rule over several fields, raised by a model validator, attributed to the field the
+    user most likely has to change (``keep_last`` for ``keep_last=1`` with ``async_save``)."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        super().__init__(reason)
+        self.field = field
+        self.value = value
+        self.reason = reason
+
+
+def _shown_value(field: str, value: object) -> str:
+    if field.split(".")[0] in _HIDDEN_VALUES:
+        return "(hidden)"
+    text = repr(value)
+    return text if len(text) <= _MAX_VALUE_CHARS else f"{text[:_MAX_VALUE_CHARS - 3]}..."
+
+
+def _one_problem(error: Any) -> str:
+    """``field=value: reason`` for one of pydantic's errors, without its type tag, input
+    echo and documentation URL."""
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldRuleError):
+        return f"{cause.field}={_shown_value(cause.field, cause.value)}: {cause.reason}"
+    field = ".".join(str(part) for part in error["loc"]) or "config"
+    reason = str(cause) if isinstance(cause, ValueError) else error["msg"][:1].lower() + error["msg"][1:]
+    if error["type"] == "extra_forbidden":
+        return f"{field}: not a CheckpointConfig field"
+    if error["type"] == "missing":
+        return f"{field}: required"
+    return f"{field}={_shown_value(field, error.get('input'))}: {reason}"
+
+
+def config_error_message(exc: ValidationError) -> str:
+    """One line naming each problem's field, value and reason."""
+    return "invalid CheckpointConfig: " + "; ".join(_one_problem(e) for e in exc.errors())
 
 
 class CheckpointConfig(BaseModel):
@@ -199,10 +239,9 @@ class CheckpointConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            fields = ", ".join(".".join(str(p) for p in e["loc"]) or "config" for e in exc.errors())
-            error = ConfigError(f"invalid CheckpointConfig field(s) {fields}: {exc}")
+            error = ConfigError(config_error_message(exc))
             runinfo.report_failure(error)  # a restart cannot cure a bad config
-            raise error from exc
+            raise error from None  # pydantic's own text repeats the problem with its noise
 
     @field_validator("root", mode="before")
     @classmethod
@@ -248,7 +287,8 @@ class CheckpointConfig(BaseModel):
     def _check_cadence(self) -> CheckpointConfig:
         if self.cadence == "auto" and self.save_every is None:
             # no measured save cost before the first save: it needs a first interval
-            raise ValueError("save_every is required with cadence='auto' (the first interval)")
+            raise FieldRuleError("save_every", self.save_every,
+                                 "required with cadence='auto' (the first interval)")
         return self
 
     @property
@@ -260,16 +300,17 @@ class CheckpointConfig(BaseModel):
     @model_validator(mode="after")
     def _check_retention(self) -> CheckpointConfig:
         if self.mirror is not None and (is_remote(self.root) or not is_remote(self.mirror)):
-            raise ValueError("mirror needs a local root and an object-store URL (s3://...)")
+            raise FieldRuleError("mirror", self.mirror,
+                                 f"needs a local root (root={self.root!r}) and an object-store URL "
+                                 "(s3://...)")
         if self.memory_tier and self.mirror is not None:
-            raise ValueError("memory_tier cannot be combined with mirror yet: the persistent "
-                             "tier behind memory is root")
+            raise FieldRuleError("memory_tier", True, "cannot be combined with mirror yet: the "
+                                 "persistent tier behind memory is root")
         if self.persist_interval_s is not None and not self.memory_tier:
-            raise ValueError("persist_interval_s needs memory_tier=True")
+            raise FieldRuleError("persist_interval_s", self.persist_interval_s, "needs memory_tier=True")
         if self.async_save and self.keep_last is not None and self.keep_last < 2:
-            raise ValueError(
-                "keep_last must be >= 2 with async_save: the newest generation may still be in flight"
-            )
+            raise FieldRuleError("keep_last", self.keep_last, "must be at least 2 with "
+                                 "async_save=True: the newest generation may still be in flight")
         return self
 
 

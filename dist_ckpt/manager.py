@@ -382,8 +382,12 @@ class CheckpointManager:
 
     # ---- draining --------------------------------------------------------------------
     def wait(self, timeout_s: float | None = None) -> None:
-        """Drain every save in flight on this rank; raise failures not yet raised (once)."""
+        """Drain every save in flight on this rank; raise failures not yet raised (once).
+        Then wait for the retention passes those saves queued on this rank (``keep_last``,
+        the memory tier's pruning): after ``wait()``, ``generations()`` shows what retention
+        leaves. ``timeout_s`` bounds the saves only; a pass that deletes is not cut short."""
         self.inflight.wait(timeout_s)
+        self.pruner.settle()
 
     def wait_staged(self) -> None:
         """With ``snapshot="lazy"``: return once the tensor copies of the saves in flight no

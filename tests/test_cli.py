@@ -126,8 +126,11 @@ def test_verify_detects_truncation(root: Path, capsys: pytest.CaptureFixture[str
     path.write_bytes(path.read_bytes()[:-10])
     code, out, _ = run(capsys, "verify", str(root), GEN20)
     assert code == 1 and DCP_FILE in out and "bytes" in out
-    # the default is inspect's: the newest committed one, with a note naming what it skipped
+    # the default is what latest.json names: the broken newest fails the check
     code, out, err = run(capsys, "verify", str(root))
+    assert code == 1 and f"{GEN20}: INVALID" in out and GEN10 not in out
+    # --newest-valid is inspect's default: the newest committed one, with a note naming what it skipped
+    code, out, err = run(capsys, "verify", str(root), "--newest-valid")
     assert code == 0 and GEN10 in out and GEN20 in err
     code, out, _ = run(capsys, "ls", str(root), "--json")
     states = {g["name"]: g["state"] for g in json.loads(out)["generations"]}

@@ -303,15 +303,21 @@ def test_verify_all(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "verify", str(root), GEN1, "--all")[0] == 2
 
 
-def test_inspect_and_verify_share_the_default(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_and_verify_newest_valid_share_the_default(root: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     truncate(root / GEN2 / SHARD)  # newest invalid: both take the newest committed one
     code, out, err = run(capsys, "inspect", str(root), "--json")
     assert code == 0 and json.loads(out)["generation"] == GEN1 and GEN2 in err
-    code, out, err = run(capsys, "verify", str(root), "--json")
+    code, out, err = run(capsys, "verify", str(root), "--newest-valid", "--json")
     assert code == 0 and json.loads(out)["generation"] == GEN1 and GEN2 in err
+    # without --newest-valid, verify takes what latest.json names and fails on it
+    code, out, err = run(capsys, "verify", str(root), "--json")
+    assert code == 1 and json.loads(out)["generation"] == GEN2
     truncate(root / GEN1 / SHARD)  # none committed: both take the newest of any state
     code, out, _ = run(capsys, "inspect", str(root), "--json")
     assert code == 0 and json.loads(out)["generation"] == GEN2
+    code, out, _ = run(capsys, "verify", str(root), "--newest-valid", "--json")
+    assert code == 1 and json.loads(out)["generation"] == GEN2
     code, out, _ = run(capsys, "verify", str(root), "--json")
     assert code == 1 and json.loads(out)["generation"] == GEN2
 

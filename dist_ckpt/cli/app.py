@@ -28,9 +28,10 @@ from ..format.manifest import (
     rejected_generation,
 )
 from ..format.signing import key_from_env
+from ..launcher_api import RUNS_DIR
 from ..ops.retention import prune, read_pins
 from ..save.replay import read_mirror_state
-from ..storage.base import StoreReader, open_store
+from ..storage.base import Store, StoreReader, open_store
 from ..version import __version__
 from .common import (
     PROG,
@@ -38,6 +39,7 @@ from .common import (
     UsageError,
     error,
     human_bytes,
+    is_directory,
     latest_warnings,
     open_root,
     open_root_tier,
@@ -49,6 +51,7 @@ from .common import (
 from .diff import add_diff_parser
 from .export import add_export_parser
 from .inspection import cmd_inspect, cmd_verify
+from .launch_root import print_runs, run_records
 from .ops import cmd_pin, cmd_quarantine, cmd_rm
 from .plan import add_plan_parser
 from .rehearse import add_rehearse_parser
@@ -75,21 +78,13 @@ def quarantined_records(store: StoreReader) -> list[dict[str, Any]]:
     for entry in sorted(entries, reverse=True):  # same generation: newest move first
         generation = rejected_generation(entry)
         rel = f"{REJECTED_DIR}/{entry}"
-        if generation is None or not _is_directory(store, rel):
+        if generation is None or not is_directory(store, rel):
             continue
         records.append({"name": entry, "generation": generation,
                         "next_update": parse_generation(generation), "state": "quarantined",
                         "total_bytes": store.tree_size(rel), "latest": False,
                         "pin": None, "reason": first_reason_line(store, rel), "path": rel})
     return sorted(records, key=lambda rec: rec["next_update"], reverse=True)
-
-
-def _is_directory(store: StoreReader, rel: str) -> bool:
-    try:
-        store.listdir(rel)
-    except (StorageError, OSError):
-        return False
-    return True
 
 
 def first_reason_line(store: StoreReader, entry: str) -> str:
@@ -108,14 +103,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     quarantined = quarantined_records(store)
     mirror = mirror_status(store, records)
     warnings = latest_warnings(store, latest)
+    runs = run_records(store, key_from_env())  # a launcher root: its runs/
     if args.json:
         print(json.dumps({"root": store.root, "latest": latest, "generations": records,
-                          "quarantined": quarantined, "mirror": mirror, "warnings": warnings}, indent=1))
+                          "quarantined": quarantined, "mirror": mirror, "warnings": warnings,
+                          **({"launcher_runs": runs} if runs else {})}, indent=1))
         return 0
     for message in warnings:
         warn(message)
     if not records and not quarantined:
-        print(f"no generations under {store.root}")
+        if runs:
+            print_runs(store.root, runs)
+        else:
+            print(f"no generations under {store.root}")
         return 0
     print_ls_table(records, quarantined, pins, mirror)
     if mirror:
@@ -126,6 +126,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     else:
         print(f"({LATEST_NAME} is missing or unreadable)")
     print(FOOTNOTE)
+    if runs:  # a run continued in place beside the launcher's runs/
+        print(f"this is also a launcher root: {len(runs)} more run(s) under {RUNS_DIR}/; "
+              f"`dist-ckpt ls {store.root}/{RUNS_DIR}/ID` lists one")
     return 0
 
 
@@ -183,16 +186,31 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if tier.leaves_debris:
         removed.update(orphans=plan.orphans, multipart_aborted=plan.multipart_aborted)
     verb = "would remove" if args.dry_run else "removed"
+    kept = len(committed) - len(plan.generations)
     if args.json:
-        print(json.dumps({"dry_run": args.dry_run, **removed}))
-    else:
-        for kind, names in removed.items():
-            if isinstance(names, list):
-                for name in names:
-                    print(f"{verb} {kind[:-1] if kind.endswith('s') else kind}: {name}")
-        if removed.get("multipart_aborted"):
-            print(f"aborted {removed['multipart_aborted']} multipart upload(s)")
+        print(json.dumps({"dry_run": args.dry_run, **removed, "kept": kept}))
+        return 0
+    for kind, names in removed.items():
+        if isinstance(names, list):
+            for name in names:
+                print(f"{verb} {kind[:-1] if kind.endswith('s') else kind}: {name}")
+    if removed.get("multipart_aborted"):
+        print(f"aborted {removed['multipart_aborted']} multipart upload(s)")
+    if not any(removed.values()):
+        print(f"nothing to prune: {kept} generation(s) kept ({kept_because(args, tier.store)})")
     return 0
+
+
+def kept_because(args: argparse.Namespace, store: Store) -> str:
+    """Why nothing goes, in the flags' words (prune with nothing to remove must still answer)."""
+    reasons = [f"--keep-last {args.keep_last}" if args.keep_last is not None
+               else "no --keep-last: only leftovers of failed uploads go"]
+    if args.keep_every:
+        reasons.append(f"--keep-every {args.keep_every} milestones")
+    pins = read_pins(store)
+    if pins:
+        reasons.append(f"{len(pins)} pinned")
+    return ", ".join(reasons)
 
 
 LS_EPILOG = f"""\
@@ -200,6 +218,10 @@ states: committed (structure and sizes check out), invalid, pending (a save in f
 abandoned), quarantined (moved aside to ROOT/{REJECTED_DIR}/ by restore or `dist-ckpt quarantine`;
 local roots only; named by that path, the reason is the first line of its {REASON_NAME}).
 {FOOTNOTE}.
+
+A launcher root (python -m launch --checkpoint-root, with {RUNS_DIR}/ below it): ls lists its
+runs, each with its newest committed generation and DONE state; `dist-ckpt ls
+LAUNCHROOT/{RUNS_DIR}/ID` lists one run (--json: "launcher_runs").
 
 --json prints {{"root", "latest", "generations", "quarantined", "mirror", "warnings"}}:
 quarantined entries are listed apart from the generations, each with name (its directory
@@ -242,11 +264,16 @@ def add_reading_parsers(sub: Any) -> list[argparse.ArgumentParser]:
     verify.set_defaults(func=cmd_verify)
     verify.add_argument("--all", action="store_true",
                         help="check every generation; exit 0 only if all are valid")
+    verify.add_argument("--newest-valid", action="store_true",
+                        help="check the newest committed generation alone, passing over newer "
+                             "broken ones (without GEN: latest.json's and every newer one)")
     for cmd in (ls, inspect, verify):
         add_root(cmd)
     for cmd in (inspect, verify):
         cmd.add_argument("generation", metavar="GEN", nargs="?",
-                         help="generation name (default: the newest committed one, else the newest)")
+                         help="generation name: gen-000000003300, gen-3300 or 3300 (default: "
+                              + ("the newest committed one, else the newest)" if cmd is inspect
+                                 else "what latest.json names, and every newer one)"))
     return [ls, inspect, verify]
 
 
@@ -280,7 +307,7 @@ def add_changing_parsers(sub: Any) -> list[argparse.ArgumentParser]:
     for cmd in (prune_cmd, pin, unpin, quarantine_cmd, rm):
         add_root(cmd)
     for cmd in (pin, unpin, quarantine_cmd):
-        cmd.add_argument("generation", metavar="GEN", help="generation name")
+        cmd.add_argument("generation", metavar="GEN", help="generation name (gen-3300 or 3300 too)")
     rm.add_argument("name", metavar="NAME",
                     help=f"generation name, or a quarantined entry ({REJECTED_DIR}/ENTRY or ENTRY)")
     return [prune_cmd, pin, unpin, quarantine_cmd, rm]

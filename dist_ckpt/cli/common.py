@@ -3,13 +3,17 @@ opening a root."""
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ..errors import StorageError, UnsafeNameError
 from ..format.inventory import GenerationInfo, inventory
-from ..format.manifest import LATEST_NAME, check_generation_name, pending_update
+from ..format.manifest import LATEST_NAME, check_generation_name, generation_name, pending_update
 from ..format.signing import key_from_env
-from ..storage.base import Store
+from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier, open_tier
 
 PROG = "dist-ckpt"
@@ -27,6 +31,20 @@ class Refused(Exception):
 def warn(message: str) -> None:
     """A problem worth knowing that does not change the exit status (stderr, text output)."""
     print(f"{PROG}: warning: {message}", file=sys.stderr)
+
+
+@contextmanager
+def reported_here() -> Iterator[None]:
+    """Around a library call whose outcome the command prints itself (quarantine's move): the
+    library's own warning about it (meant for a job's log) is held back, so the user reads the
+    result once; errors still pass."""
+    logger = logging.getLogger("dist_ckpt")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def human_bytes(size: int | None) -> str:
@@ -62,20 +80,43 @@ def open_root_tier(root: str) -> CommitTier:
     return tier
 
 
+_SHORT_GENERATION = re.compile(r"(?:gen-)?([0-9]{1,12})")
+
+
+def generation_arg(name: str) -> str:
+    """A generation name as typed on the command line: ``3300``, ``gen-3300`` and
+    ``gen-000000003300`` all name ``gen-000000003300``. Anything else comes back unchanged, for
+    :func:`safe_generation_name` to judge: a name, never a path."""
+    match = _SHORT_GENERATION.fullmatch(name)
+    return generation_name(int(match.group(1))) if match else name
+
+
 def safe_generation_name(name: str) -> str:
-    """Reject unsafe or malformed generation names (exit 2)."""
+    """The full generation name for ``name`` (short forms: :func:`generation_arg`); unsafe or
+    malformed names are refused (exit 2). Every subcommand that takes GEN comes here."""
+    full = generation_arg(name)
     try:
-        check_generation_name(name)
+        check_generation_name(full)
     except UnsafeNameError as exc:
         raise UsageError(str(exc)) from exc
-    return name
+    return full
 
 
 def checked_generation(store: Store, name: str) -> str:
-    """Reject unsafe or malformed names and generations that do not exist (exit 2)."""
-    if not store.exists(safe_generation_name(name)):
-        raise UsageError(f"no generation {name!r} under {store.root}")
-    return name
+    """The full name of generation ``name`` (short forms accepted), which must exist under
+    ``store`` (else exit 2, as for unsafe or malformed names)."""
+    full = safe_generation_name(name)
+    if not store.exists(full):
+        raise UsageError(f"no generation {full if full != name else repr(name)} under {store.root}")
+    return full
+
+
+def is_directory(store: StoreReader, rel: str) -> bool:
+    try:
+        store.listdir(rel)
+    except (StorageError, OSError):
+        return False
+    return True
 
 
 def latest_warnings(store: Store, latest: str | None) -> list[str]:

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from ..format.inventory import newest_committed
+from ..format.inventory import is_committed
 from ..format.signing import key_from_env
 from ..ops.diff import (
     COMPONENTS,
@@ -18,11 +18,15 @@ from ..ops.diff import (
     open_generation,
     split_spec,
 )
-from .common import UsageError, checked_generation, open_root_tier
+from ..storage.base import Store
+from .common import Refused, UsageError, checked_generation, open_root_tier
+from .inspection import root_generation
 
 DIFF_EPILOG = f"""\
-A and B are each a checkpoint ROOT (its newest committed generation) or the path or URL of
-one generation directory, ROOT/gen-NNNNNNNNNNNN; the roots and world sizes may differ.
+A and B are each a checkpoint ROOT (its newest generation: what latest.json names, or a
+newer committed one; a newer one that is invalid is refused, exit 1, never passed over) or
+the path or URL of one generation directory, ROOT/gen-NNNNNNNNNNNN; the roots and world
+sizes may differ.
 Every file is checked against its manifest (size and digest) before it is parsed.
 
 components, in causal order: {", ".join(COMPONENTS)}.
@@ -32,8 +36,8 @@ ranks both generations have; the extra ranks of a larger world are listed, not c
 Tensors compare bitwise; a differing one shows its max absolute and max relative difference
 (|a - b| / max(|a|, |b|), per element).
 
-exit status: 0 identical, 1 different (or a file fails its manifest), 2 usage (a missing
-root or generation).
+exit status: 0 identical, 1 different (or a file fails its manifest, or ROOT's newest
+generation is invalid), 2 usage (a missing root or generation).
 --json prints {{"a", "b", "world_sizes", "identical", "first_difference", "components",
 "extra_ranks", "differences"}}.
 """
@@ -57,12 +61,24 @@ def resolve(spec: str, key: bytes | None) -> Generation:
     tier = open_root_tier(root)
     store = tier.store
     if name is None:
-        name = newest_committed(store, key)
-        if name is None:
-            raise UsageError(f"no committed generation under {store.root}")
+        name = newest_of(store, spec, key)
     else:
-        checked_generation(store, name)
+        name = checked_generation(store, name)
     return open_generation(tier, name, key=key)  # a broken generation: ValidationError, exit 1
+
+
+def newest_of(store: Store, spec: str, key: bytes | None) -> str:
+    """ROOT's newest generation, as ``verify ROOT`` chooses it; a newer one with a manifest that
+    does not check out (structure, sizes) is refused, never passed over for an older one."""
+    try:
+        name, newer = root_generation(store, key)
+    except UsageError:  # an empty root
+        raise UsageError(f"no committed generation under {store.root}") from None
+    for other in newer:  # newest first
+        if not is_committed(store, other, key):
+            raise Refused(f"{spec}: the newest generation {other} is invalid (`dist-ckpt verify "
+                          f"{spec}` says why); name one to compare, e.g. {spec.rstrip('/')}/{name}")
+    return newer[0] if newer else name
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

@@ -21,9 +21,10 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 EXPORT_EPILOG = """\
 writes OUT/model.safetensors (one shard) or OUT/model-00001-of-0000N.safetensors ...,
-OUT/model.safetensors.index.json (Hugging Face layout) and OUT/release.json (source,
-generation, manifest sha256, contract digest, code version, aliases of tied weights, the
-sha256 of every file). OUT must not exist: it is written beside it and renamed into place.
+always OUT/model.safetensors.index.json (Hugging Face layout), and OUT/release.json (source
+root as an absolute path or URL, generation, manifest sha256, contract digest, code version,
+aliases of tied weights, the sha256 of every file). OUT must not exist: it is written beside
+it and renamed into place; it takes the umask like any new directory.
 Sizes: 5GB = 5*10**9 bytes, 256MiB = 256*2**20 bytes. Only the model is exported.
 """
 
@@ -39,10 +40,9 @@ def size_arg(text: str) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     store = open_root(args.root)
-    if args.generation is not None:
-        checked_generation(store, args.generation)
+    generation = None if args.generation is None else checked_generation(store, args.generation)
     try:
-        info = export_generation(args.root, args.out, args.generation, dtype=args.dtype,
+        info = export_generation(args.root, args.out, generation, dtype=args.dtype,
                                  max_shard_bytes=args.max_shard_size, key=key_from_env())
     except OutputError as exc:  # an existing --out or a missing parent: a usage problem
         raise UsageError(str(exc)) from exc

@@ -11,13 +11,19 @@ from typing import Any
 
 from ..errors import StorageError, ValidationError
 from ..format.inventory import newest_committed
-from ..format.manifest import GLOBAL_STATE_FILE, Manifest, read_latest_name
+from ..format.manifest import (
+    GLOBAL_STATE_FILE,
+    MANIFEST_NAME,
+    Manifest,
+    parse_generation,
+    read_latest_name,
+)
 from ..format.signing import KEY_ENV, key_from_env
 from ..format.validate import list_generations, read_manifest, read_verified, validate
 from ..ops.retention import read_pins
 from ..restart import codec
 from ..save.replay import read_mirror_state
-from ..storage.base import Store
+from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier
 from .common import (
     PROG,
@@ -46,6 +52,23 @@ def default_generation(store: Store) -> str:
         print(f"{PROG}: note: newer {', '.join(newer)} not committed or invalid; using {name}",
               file=sys.stderr)
     return name
+
+
+def root_generation(store: StoreReader, key: bytes | None) -> tuple[str, list[str]]:
+    """What ``verify ROOT`` and ``diff ROOT`` look at: the generation ``latest.json`` names
+    (when it is there), else the newest committed one, else the newest of any state; and,
+    newest first, the newer generation directories that hold a manifest (committed-looking).
+    A damaged newest generation is never skipped silently: the caller checks those too."""
+    names = list_generations(store)
+    if not names:
+        raise UsageError(f"no generation under {store.root}")
+    latest = read_latest_name(store)
+    if latest is None or latest not in names:
+        latest = newest_committed(store, key) or names[0]
+    floor = parse_generation(latest) or 0
+    newer = [name for name in names if (parse_generation(name) or 0) > floor
+             and store.exists(f"{name}/{MANIFEST_NAME}")]
+    return latest, newer
 
 
 def manifest_summary(manifest: Manifest, latest: str | None) -> list[tuple[str, str]]:
@@ -186,11 +209,16 @@ def print_verify(result: dict[str, Any]) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     store = open_root(args.root)
+    if sum((args.all, args.newest_valid, args.generation is not None)) > 1:
+        raise UsageError("give one of GEN, --all and --newest-valid")
     if args.all:
         return verify_all(store, args)
+    key = key_from_env()
+    if args.generation is None and not args.newest_valid:
+        return verify_root(store, args, key)
     name = default_generation(store) if args.generation is None else \
         checked_generation(store, args.generation)
-    result = verify_result(store, name, key_from_env())
+    result = verify_result(store, name, key)
     if args.json:
         print(json.dumps(result))
     else:
@@ -198,9 +226,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def verify_root(store: Store, args: argparse.Namespace, key: bytes | None) -> int:
+    """``verify ROOT``: the generation ``root_generation`` names and every newer one with a
+    manifest; exit 0 only if all of them are valid."""
+    name, newer = root_generation(store, key)
+    result = verify_result(store, name, key)
+    newer_results = [verify_result(store, other, key) for other in newer]
+    all_ok = result["ok"] and all(other["ok"] for other in newer_results)
+    warnings = latest_warnings(store, read_latest_name(store))  # a pointer at what is gone
+    if args.json:
+        print(json.dumps({**result, "newer": newer_results, "all_ok": all_ok, "warnings": warnings}))
+        return 0 if all_ok else 1
+    for message in warnings:
+        warn(message)
+    for checked in [*newer_results, result]:  # newest first, as ls lists them
+        print_verify(checked)
+    broken = [other["generation"] for other in newer_results if not other["ok"]]
+    if broken:
+        print(f"{', '.join(broken)}: newer than {name} and invalid; `dist-ckpt verify ROOT "
+              f"--newest-valid` checks the newest valid generation alone")
+    return 0 if all_ok else 1
+
+
 def verify_all(store: Store, args: argparse.Namespace) -> int:
-    if args.generation is not None:
-        raise UsageError("give GEN or --all, not both")
     names = list_generations(store)
     if not names:
         raise UsageError(f"no generation under {store.root}")

@@ -19,7 +19,7 @@ from ..format.manifest import (
     rejected_generation,
 )
 from ..format.signing import key_from_env
-from ..format.validate import Problem
+from ..format.validate import Problem, repoint_latest
 from ..ops.retention import change_pin, read_pins
 from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier, open_tier
@@ -27,8 +27,10 @@ from .common import (
     Refused,
     UsageError,
     checked_generation,
+    generation_arg,
     open_root,
     open_root_tier,
+    reported_here,
     safe_generation_name,
 )
 from .inspection import verify_result
@@ -74,16 +76,21 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     pins = read_pins(store)
     damage = None if args.force else refuse_quarantine(store, name, info, pins, key)
     reason = args.reason or damage or info.reason or "moved aside by an operator (dist-ckpt quarantine)"
-    target = tier.move_aside(Problem(name, reason, None if args.reason else info.path))
+    with reported_here():
+        target = tier.move_aside(Problem(name, reason, None if args.reason else info.path))
     if target is None:
         raise UsageError(f"{name} is not a directory under {store.root}")
     unpinned = change_pin(store, name, None).previous if name in pins else None
+    pointer = repointed(store, name)
     if args.json:
-        print(json.dumps({"generation": name, "path": target, "reason": reason, "unpinned": unpinned}))
+        print(json.dumps({"generation": name, "path": target, "reason": reason, "unpinned": unpinned,
+                          "latest": pointer}))
     else:
         print(f"moved {name} aside to {target}")
         if unpinned is not None:  # a later save of this update number must not inherit the pin
             print(f"unpinned {name} (was {unpinned})")
+        if pointer is not None:
+            print(pointer_text(pointer))
     return 0
 
 
@@ -162,8 +169,9 @@ class QuarantinedCopy:
 def rm_target(store: Store, name: str) -> tuple[str, StoreReader, str]:
     """(path to delete relative to the root, store to validate through, generation name) for
     a generation or a quarantined entry (``ENTRY`` or ``rejected/ENTRY``)."""
-    if parse_generation(name) is not None:
-        return checked_generation(store, name), store, name
+    if parse_generation(generation_arg(name)) is not None:
+        full = checked_generation(store, name)
+        return full, store, full
     entry = name.removeprefix(f"{REJECTED_DIR}/")
     generation = rejected_generation(entry)
     if generation is None:
@@ -190,14 +198,33 @@ def cmd_rm(args: argparse.Namespace) -> int:
     store.remove_tree(rel)
     if store.exists(rel):
         raise OSError(f"could not delete all of {store.url(rel)}")
-    unpinned = None
-    if rel == generation and generation in read_pins(store):
-        unpinned = change_pin(store, generation, None).previous
+    unpinned, pointer = None, None
+    if rel == generation:
+        pointer = repointed(store, generation)
+        if generation in read_pins(store):
+            unpinned = change_pin(store, generation, None).previous
     if args.json:
         print(json.dumps({"deleted": rel, "path": store.url(rel), "reason": result["reason"],
-                          "unpinned": unpinned}))
+                          "unpinned": unpinned, "latest": pointer}))
     else:
         print(f"deleted {rel} ({result['reason']})")
         if unpinned is not None:
             print(f"unpinned {generation} (was {unpinned})")
+        if pointer is not None:
+            print(pointer_text(pointer))
     return 0
+
+
+def repointed(store: Store, gone: str) -> dict[str, str | None] | None:
+    """After ``gone`` was deleted or moved aside: a ``latest.json`` that named it names the
+    newest generation left that validates (sizes and digests), or is removed (``now`` None).
+    None when the pointer named something else (left alone)."""
+    if read_latest_name(store) != gone:
+        return None
+    return {"was": gone, "now": repoint_latest(store, [gone], digests=True, key=key_from_env())}
+
+
+def pointer_text(change: dict[str, str | None]) -> str:
+    if change["now"] is None:
+        return f"removed {LATEST_NAME} (it named {change['was']}): no valid generation is left"
+    return f"{LATEST_NAME} now names {change['now']} (it named {change['was']})"

@@ -6,6 +6,8 @@ its ``CheckpointManager.restore()`` rehearses the generation (every component ch
 :mod:`dist_ckpt.rehearse`) into the objects the script built, the script trains one update,
 and its next ``save``/``maybe_save``/``finish`` writes nothing: the updated state's digest is
 recorded in ``ROOT/rehearsals.json`` and the workers exit 0. Local roots and object stores.
+A rehearsal whose script saved before any update ran (at the generation's own update) proves
+nothing about training on: it is reported as such and exits 1.
 """
 
 from __future__ import annotations
@@ -18,16 +20,14 @@ import subprocess
 import sys
 from typing import Any
 
-from ..format.validate import list_generations
+from ..format.manifest import parse_generation
 from ..restore.rehearse import REHEARSE_ENV, read_rehearsals
-from .common import Refused, UsageError, open_root
+from .common import Refused, UsageError, checked_generation, open_root
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
     store = open_root(args.root)
-    target = args.generation or "newest"
-    if args.generation is not None and args.generation not in list_generations(store):
-        raise UsageError(f"no generation {args.generation!r} under {store.root}")
+    target = "newest" if args.generation is None else checked_generation(store, args.generation)
     if not os.path.isfile(args.script):
         raise UsageError(f"script not found: {args.script}")
     before = read_rehearsals(store)
@@ -45,14 +45,20 @@ def report(args: argparse.Namespace, returncode: int, fresh: dict[str, dict[str,
         raise Refused(f"the script exited {returncode} without rehearsing (did it call "
                       f"CheckpointManager.restore() and then save, maybe_save or finish?)")
     name, record = next(iter(fresh.items()))
+    idle = record.get("passed") and record.get("updates") == 0
     if args.json:
-        print(json.dumps({"generation": name, "exit_code": returncode, **record}))
+        print(json.dumps({"generation": name, "exit_code": returncode, **record,
+                          **({"problem": "no update ran"} if idle else {})}))
+    elif idle:
+        print(f"{name}: rehearsal ran NO update: the script saved at update {parse_generation(name)}, "
+              f"the generation's own, right after the restore, so nothing was trained (let the "
+              f"script run past update {parse_generation(name)}, e.g. through --script-args)")
     elif record.get("passed"):
         print(f"{name}: rehearsal passed; state digest after {record.get('updates', '?')} "
               f"update(s) {record.get('digest')}")
     else:
         print(f"{name}: rehearsal FAILED in {record.get('component')}: {record.get('reason')}")
-    return 0 if record.get("passed") and returncode == 0 else 1
+    return 0 if record.get("passed") and not idle and returncode == 0 else 1
 
 
 def add_rehearse_parser(sub: Any) -> argparse.ArgumentParser:

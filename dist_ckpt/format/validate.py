@@ -12,7 +12,7 @@ their bound.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from .. import progress
@@ -32,6 +32,7 @@ from .manifest import (
     check_generation_name,
     parse_generation,
     rank_state_file,
+    read_latest_name,
     read_latest_pointer,
     regular_file_size,
 )
@@ -186,20 +187,48 @@ def read_verified(store: StoreReader, generation: str, manifest: Manifest, path:
     return raw
 
 
-def move_latest(store: Store, manifest: Manifest, raw: bytes) -> None:
+def move_latest(store: Store, manifest: Manifest, raw: bytes, *, gone: str | None = None) -> None:
     """Point ``latest.json`` at ``manifest``'s generation unless it already points newer.
-    The only writer of the pointer, in every tier; call after the generation validated."""
+    The only writer of the pointer, in every tier; call after the generation validated.
+    ``gone``: a generation just deleted or moved aside (:func:`repoint_latest`); a pointer
+    that names it may move back to an older generation, and only then."""
     try:
         current: LatestPointer | None = read_latest_pointer(store)
     except (FileNotFoundError, StorageError, ValidationError):
         current = None  # missing, unreadable or not a pointer: replaced
-    if current is not None and current.next_update > manifest.next_update:
+    if current is not None and current.next_update > manifest.next_update \
+            and current.generation != gone:
         return  # never back to an older generation
     pointer = LatestPointer.for_manifest(manifest, raw).model_dump_json().encode("utf-8")
     try:
         store.put_bytes(LATEST_NAME, pointer)
     except OSError as exc:
         raise StorageError(f"cannot replace {store.url(LATEST_NAME)}: {exc}") from exc
+
+
+def repoint_latest(store: Store, gone: Collection[str], *, skip: Collection[str] = (),
+                   digests: bool, key: bytes | None = None) -> str | None:
+    """After the generations ``gone`` were deleted or moved aside: when ``latest.json`` names
+    one of them, point it (:func:`move_latest`) at the newest remaining generation that
+    validates (sizes, and digests with ``digests``), passing over ``skip`` (known rejected);
+    with none left, remove the pointer, so that it never names what is not there. Returns the
+    generation it names now; None when it was left alone or removed. One process at a time
+    (rank 0 of a filesystem, or the operator's CLI)."""
+    current = read_latest_name(store)
+    if current is None or current not in gone:
+        return None
+    for name in list_generations(store):
+        if name in gone or name in skip:
+            continue
+        try:
+            validate(store, name, digests=digests, key=key)
+            raw = store.read_bytes(f"{name}/{MANIFEST_NAME}")
+            move_latest(store, Manifest.from_bytes(raw, generation=name), raw, gone=current)
+        except (ValidationError, OSError):
+            continue
+        return name
+    store.remove_tree(LATEST_NAME)
+    return None
 
 
 def validate(store: StoreReader, generation: str, *, digests: bool = True,

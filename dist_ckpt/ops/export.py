@@ -10,7 +10,7 @@ Layout of the output directory:
 
 - one shard: ``model.safetensors``; several: ``model-00001-of-0000N.safetensors`` ...;
   ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``) is
-  written in both cases, so a reader can always start from the index.
+  written in both cases (one rule: always), so a reader can always start from the index.
 - ``release.json``: source root, generation, manifest sha256, contract digest, code version,
   tensor count, total bytes, aliases, the sha256 and size of every other file.
 
@@ -39,8 +39,8 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -153,7 +153,7 @@ def export_generation(root: str, out_dir: str, generation: str | None = None, *,
     try:
         entries, skipped = _model_entries(source.metadata, cast)
         _verify_files_read(source, entries)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
+        tmp = _new_sibling(out)
         try:
             info = _write_release(source, root, entries, skipped, tmp, out, max_shard_bytes, dtype)
             _publish(tmp, out)
@@ -179,6 +179,19 @@ def _refuse_existing(out: str) -> None:
         raise OutputExists(f"output directory {out} exists; a release is never overwritten")
     if not os.path.isdir(os.path.dirname(out)):
         raise OutputError(f"parent directory of {out} does not exist")
+
+
+def _new_sibling(out: str) -> str:
+    """A new empty directory beside ``out``, with the mode any new directory gets (0777 less
+    the umask): the release is published by renaming it, and tempfile.mkdtemp's 0700 would
+    hide it from everyone else."""
+    while True:
+        tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:
+            continue
+        return tmp
 
 
 def _publish(tmp: str, out: str) -> None:
@@ -380,7 +393,7 @@ def _write_release(source: _Source, root: str, entries: list[_Entry], skipped: l
     _write_json(os.path.join(tmp, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
     files[INDEX_NAME] = file_digest(os.path.join(tmp, INDEX_NAME), "sha256")[1]
     release = {
-        "format": "dist_ckpt-release/1", "source_root": root, "generation": source.name,
+        "format": "dist_ckpt-release/1", "source_root": _absolute_root(root), "generation": source.name,
         "next_update": source.manifest.next_update, "manifest_sha256": source.manifest_sha256,
         "contract_digest": source.manifest.contract_digest, "contract": source.manifest.contract,
         "code_version": code_version(), "dist_ckpt_version": __version__,
@@ -393,6 +406,12 @@ def _write_release(source: _Source, root: str, entries: list[_Entry], skipped: l
     }
     _write_json(os.path.join(tmp, RELEASE_NAME), release)
     return ReleaseInfo(out, source.name, files, len(written), total, dedup.aliases, release)
+
+
+def _absolute_root(root: str) -> str:
+    """``root`` as ``release.json`` records it: a URL as given, a path made absolute (a relative
+    one would mean nothing to whoever reads the release elsewhere)."""
+    return root if "://" in root else os.path.abspath(root)
 
 
 def code_version() -> str:

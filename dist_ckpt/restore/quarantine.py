@@ -12,8 +12,9 @@ each filesystem group moves its own copies; then all ranks exchange what moved.
 from __future__ import annotations
 
 from .. import logs
-from ..format.manifest import parse_generation
-from ..format.validate import Problem
+from ..errors import DistCkptError
+from ..format.manifest import LATEST_NAME, parse_generation, read_latest_name
+from ..format.validate import Problem, repoint_latest
 from ..protocol.comm import Comm
 from ..tiers.base import CommitTier
 
@@ -43,4 +44,21 @@ def move_blocking(comm: Comm, tier: CommitTier, rejected: list[Problem], chosen:
                     moved.append(problem.generation)
             except OSError as exc:
                 log.error("cannot move rejected generation %s aside: %s", problem.generation, exc)
+        if moved:
+            repoint(tier, moved, rejected)
     return sorted({name for names in comm.all_gather(moved) for name in names})
+
+
+def repoint(tier: CommitTier, moved: list[str], rejected: list[Problem]) -> None:
+    """The filesystem leader, after its moves: a ``latest.json`` that named a moved generation
+    names the newest one left that checks out (never one restore rejected, for its bytes or
+    its signature), or is removed. The pointer is a hint: a failure is logged, not raised."""
+    if read_latest_name(tier.store) not in moved:
+        return
+    skip = {p.generation for p in rejected if p.tier == tier.url}
+    try:
+        now = repoint_latest(tier.store, moved, skip=skip, digests=False)
+    except (OSError, DistCkptError) as exc:
+        log.error("cannot repoint %s after moving %s aside: %s", LATEST_NAME, ", ".join(moved), exc)
+        return
+    log.info("%s now names %s (it named a generation moved aside)", LATEST_NAME, now or "nothing")

@@ -193,13 +193,20 @@ class PowerLossRow:
         return Row(points=reference, cuts=cuts, wall_s=time.monotonic() - started)
 
 
-def describe(row: Row) -> str:
+NEGATIVE_CONTROL_LABEL = "expected violation (negative control: no directory fsyncs)"
+
+
+def describe(row: Row, *, label: str = "VIOLATION") -> str:
+    """What the row tried; ``label`` heads each violation (the negative control's are its
+    expected result, and say so: a green run must not print a bare VIOLATION)."""
+    counted = "violations" if label == "VIOLATION" else "expected violations"
     lines = [f"power loss: {len(row.cuts)} cuts (one after each of the {len(row.points)} persistence "
-             f"points of save({GEN2})), {len(row.violations)} violations, {row.wall_s:.1f} s"]
+             f"points of save({GEN2})), {len(row.violations)} {counted}, {row.wall_s:.1f} s"]
     for cut in row.cuts:
         rejected = f"; rejected: {'; '.join(cut.rejected)}" if cut.rejected else ""
         lines.append(f"  cut after {cut.after:2d} {cut.point}: restored {cut.restored}{rejected}")
-    lines += [f"  VIOLATION {v}" for v in row.violations]
+    head = "  VIOLATION " if label == "VIOLATION" else f"  {label}: "
+    lines += [head + v for v in row.violations]
     return "\n".join(lines)
 
 
@@ -230,10 +237,12 @@ def test_power_loss_row_fails_a_writer_without_directory_fsyncs(
     for name in patched:
         monkeypatch.setattr(sys.modules[name], "fsync_dir", lambda path: None)
     row = PowerLossRow(tmp_path).run()
-    text = describe(row)
+    text = describe(row, label=NEGATIVE_CONTROL_LABEL)
     with capsys.disabled():
-        print("\nnegative control (fsync_dir disabled in " + ", ".join(sorted(patched)) + ")\n" + text,
+        print("\nnegative control (fsync_dir disabled in " + ", ".join(sorted(patched)) + "): the "
+              "violations below are this test's expected result; it passes only if they appear\n" + text,
               file=sys.stderr)
+    assert "VIOLATION" not in text
     assert "fsyncdir" not in {kind for kind, _ in row.points}
     assert row.violations, "the power-loss row did not notice a writer that never fsyncs a directory"
     assert any(f"{GEN2} lost" in v for v in row.cuts[-1].violations), text
