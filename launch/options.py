@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 from dataclasses import dataclass, field
 
 from torch.distributed.run import get_args_parser
@@ -19,6 +20,8 @@ from torch.distributed.run import get_args_parser
 from dist_ckpt.launcher_api import RUNS_DIR, STOP_NAME
 
 DEFAULT_BACKOFF = (10.0, 20.0, 40.0)
+DEFAULT_GRACE_S = 60.0
+DEFAULT_MAX_NO_PROGRESS = 2
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -35,6 +38,9 @@ class LaunchOptions:
     torchrun_argv: list[str]
     torchrun: argparse.Namespace
     notes: list[str] = field(default_factory=list)
+    preempt_signal: signal.Signals = signal.SIGTERM
+    grace_s: float = DEFAULT_GRACE_S
+    max_no_progress: int = DEFAULT_MAX_NO_PROGRESS
 
     def backoff_before(self, start: int) -> float:
         """Seconds to wait before start number ``start`` (2, 3, ...)."""
@@ -69,6 +75,35 @@ def _bytes(text: str) -> int:
     return int(match.group(1)) * units[match.group(2)]
 
 
+def _signal(text: str) -> signal.Signals:
+    name = text.strip().upper()
+    try:
+        chosen = signal.Signals(int(name)) if name.isdigit() else signal.Signals[
+            name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"--preempt-signal wants a signal like USR1, not {text!r}") from None
+    if chosen in (signal.SIGKILL, signal.SIGSTOP):
+        raise argparse.ArgumentTypeError(f"--preempt-signal {chosen.name} cannot be caught")
+    return chosen
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants seconds, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
 def _run_id(text: str) -> str:
     if not _RUN_ID.match(text):
         raise argparse.ArgumentTypeError(f"--run-id {text!r}: letters, digits, '_', '.', '-' only")
@@ -86,8 +121,18 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
                        metavar="S1,S2,...", help="seconds to wait before the 2nd, 3rd, ... start "
                                                  "(the last value repeats; default 10,20,40)")
     group.add_argument("--stop-file", default=None, metavar="PATH",
-                       help="operator stop: when it exists the workers get SIGTERM and nothing "
-                            f"starts again (default ROOT/{STOP_NAME})")
+                       help="operator stop: when it exists the launcher preempts the job (the "
+                            "workers save, then stop) and nothing starts again "
+                            f"(default ROOT/{STOP_NAME})")
+    group.add_argument("--preempt-signal", type=_signal, default=signal.SIGTERM, metavar="SIG",
+                       help="a signal that preempts the job like SIGTERM does, e.g. USR1 for "
+                            "SLURM's --signal=B:USR1@120 (default: SIGTERM only)")
+    group.add_argument("--grace", type=_seconds, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                       help="on a preemption, how long the workers may take to save before they "
+                            "are killed (default 60)")
+    group.add_argument("--max-no-progress", type=_count, default=DEFAULT_MAX_NO_PROGRESS, metavar="N",
+                       help="stop (crash loop) after N consecutive failed starts that committed "
+                            "nothing newer than what they resumed from (default 2; 0: never)")
     group.add_argument("--fresh", action="store_true",
                        help="start a new run in a new run directory; earlier runs are kept")
     group.add_argument("--min-free-bytes", type=_bytes, default=None, metavar="BYTES",
@@ -146,4 +191,5 @@ def parse(argv: list[str]) -> LaunchOptions:
         fresh=args.fresh, min_free_bytes=args.min_free_bytes, run_id=args.run_id,
         mirror=args.mirror.rstrip("/") if args.mirror else None,
         torchrun_argv=["--max-restarts", "0", *torchrun_head, *script_part],
-        torchrun=args, notes=notes)
+        torchrun=args, notes=notes, preempt_signal=args.preempt_signal, grace_s=args.grace,
+        max_no_progress=args.max_no_progress)
