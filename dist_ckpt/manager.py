@@ -201,6 +201,8 @@ class CheckpointManager:
         under a preemption notice writes its DONE record instead of stopping one step short."""
         self.marks.mark(next_update)
         preempt = may_stop and self.preemption.due(next_update)
+        if preempt and self.memory is not None:
+            self.memory.force(generation_name(next_update))  # to the root, whatever persist_every says
         with self.marks.section("save", self._save_bound_s()):
             # the preemption's save is never skipped for a save in flight: it blocks instead
             job = self._save(next_update, tokens_seen, may_skip=not preempt)
