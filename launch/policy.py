@@ -6,7 +6,8 @@
 2. ``finished``: every worker exited 0 but nobody called ``finish()``: over, not restarted.
 3. ``preempted``: the launcher gave the workers a preemption notice (SIGTERM, the
    ``--preempt-signal``, the stop file) and they saved: the generation a rank reported it saved
-   for the preemption, else a generation newer than where the start resumed. Exit codes say
+   for the preemption, else a generation newer than where the start resumed. A rank's report
+   of a preemption save counts without a notice too: another node's launcher gave it. Exit codes say
    nothing here (torchrun SIGTERMs the other workers when the first exits with
    ``PREEMPTED_EXIT``). A preemption that saved nothing is ``stopped``.
 4. ``stopped``: SIGINT to the launcher (forwarded to the workers), or a preemption without a
@@ -119,7 +120,8 @@ def classify(*, run_root: str, reports: dict[int, WorkerReport], result: dict[st
         return done
     if result is not None and result.get("ok") and agent_rc == 0:
         return Verdict(FINISHED, "every worker exited 0 without finish(): no DONE record")
-    if preempted:
+    if preempted or any(r.get("preempted") for r in reports.values()):
+        # a rank that saved for a preemption: on a node whose launcher got no notice too
         return preempted_verdict(run_root, reports)
     if stop_reason is not None:
         return Verdict(STOPPED, stop_reason)

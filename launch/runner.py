@@ -120,7 +120,7 @@ class Launcher:
                 return self._ended(record)
             resumed = record.resumed_update if record.resumed_update is not None else before
             loop = self.crash_loop.failed(resumed, record.final_update)
-            if loop is not None:
+            if loop is not None and start < opts.max_starts:  # else: gave up after the last start
                 return self._finish(f"{loop} ({opts.max_no_progress} starts in a row committed "
                                     f"nothing newer): {record.reason}", EXIT_GAVE_UP)
         return self._finish(f"gave up after {opts.max_starts} starts without DONE", EXIT_GAVE_UP)
@@ -128,8 +128,9 @@ class Launcher:
     def _ended(self, record: records.StartRecord) -> int:
         kind = record.classification
         if kind == policy.PREEMPTED:
-            return self._finish(f"preempted: {record.reason} in {self.preemption.seconds():.1f} s",
-                                EXIT_PREEMPTED)
+            took = (f"in {self.preemption.seconds():.1f} s" if self.preemption.noticed
+                    else "(the notice came to another node's launcher)")
+            return self._finish(f"preempted: {record.reason} {took}", EXIT_PREEMPTED)
         code = {policy.DONE: EXIT_OK, policy.FINISHED: EXIT_OK,
                 policy.STOPPED: EXIT_STOPPED}.get(kind, EXIT_PERMANENT)
         return self._finish(f"{kind}: {record.reason}", code)
