@@ -72,3 +72,10 @@ def test_preempted_is_a_system_exit_with_its_code() -> None:
     stop = Preempted("gen-000000000007", 7)
     assert isinstance(stop, SystemExit) and not isinstance(stop, Exception)
     assert stop.code == PREEMPTED_EXIT and str(stop) == "preempted: saved gen-000000000007 at update 7"
+
+
+def test_finish_under_a_notice_writes_done(tmp_path) -> None:
+    root, launch_dir = str(tmp_path / "root"), str(tmp_path / "start")
+    ranks = run_ranks(2, preempt_jobs.finish_under_notice, root, launch_dir, 3, timeout_s=180)
+    assert [r["done"] for r in ranks] == ["gen-000000000003"] * 2 and ranks[0]["preempted"] is None
+    assert os.path.exists(os.path.join(root, "DONE.json"))

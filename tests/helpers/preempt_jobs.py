@@ -5,6 +5,7 @@ launcher's notice file at one update, as the launcher would."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from dist_ckpt import runinfo
@@ -51,3 +52,29 @@ def restore(rank: int, world: int, root: str, memory: tuple[str, str] | None = N
     with manager(job, root, memory_tier=memory is not None) as mgr:
         result = mgr.restore()
     return {"generation": result.generation, "next_update": result.next_update, "full": full_state(job)}
+
+
+def finish_under_notice(rank: int, world: int, root: str, launch_dir: str, steps: int) -> dict:
+    """Train ``steps - 1`` updates; once every rank has seen a notice, agree on the target
+    ``steps`` (a heartbeat at ``steps - 1``), train the last update and ``finish(steps)``: a
+    run that ends under a preemption notice writes its DONE record instead of stopping."""
+    os.environ[runinfo.LAUNCH_DIR_ENV] = launch_dir
+    job = build("fsdp", rank, world)
+    with manager(job, root, save_every=NEVER) as mgr:
+        for update in range(steps - 1):
+            train_step(job)
+            mgr.maybe_save(update + 1)
+        if rank == 0:
+            atomic_write(runinfo.preempt_notice_path(), b"test notice")
+        deadline = time.monotonic() + 30
+        while not mgr.preemption.noticed:  # the watch thread's poll, bounded
+            assert time.monotonic() < deadline, "the notice was never seen"
+            time.sleep(0.01)
+        mgr.heartbeat(steps - 1)
+        assert mgr.preemption.target == steps
+        train_step(job)
+        try:
+            done = mgr.finish(steps)
+        except Preempted as stop:
+            return {"done": None, "preempted": stop.generation}
+    return {"done": done.generation, "preempted": None}
