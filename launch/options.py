@@ -141,7 +141,8 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
                        help="name of the run to start or continue (default: the active run, "
                             "or the next number); give the same one on every node")
     group.add_argument("--mirror", default=None, metavar="URL",
-                       help=f"object-store URL; each run replicates to URL/{RUNS_DIR}/<id>")
+                       help=f"object-store URL; each run replicates to URL/{RUNS_DIR}/<id>; it must answer a "
+                            "LIST before each start")
 
 
 def build_parser() -> argparse.ArgumentParser:
