@@ -54,6 +54,21 @@ def test_notice_saves_one_agreed_update_and_a_restore_resumes_there(tmp_path, ca
     assert equal(restored[0]["full"], ranks[0]["full"]), "the preempted state did not restore bitwise"
 
 
+def test_preemption_save_is_not_skipped_for_a_save_in_flight(tmp_path) -> None:
+    """in_flight_policy="skip" skips cadence saves that find one in flight (slowed writes make
+    every save find one); the preemption's save blocks for it instead."""
+    root, launch_dir = str(tmp_path / "root"), str(tmp_path / "start")
+    config = {"async_save": True, "in_flight_policy": "skip", "save_every": 1}
+    ranks = run_ranks(2, preempt_jobs.train_until_preempted, root, launch_dir, NOTICE_AT, LIMIT,
+                      "maybe_save", None, config, {"write.before": {"delay_s": 0.3}}, timeout_s=180)
+    first, second = ranks
+    assert first["generation"] is not None and first["generation"] == second["generation"]
+    assert first["skipped"] > 0, "no save found one in flight: the case is not exercised"
+    store = LocalStore(root)
+    assert first["generation"] in list_generations(store)
+    validate(store, first["generation"])
+
+
 def test_memory_tier_preemption_is_persisted_to_the_root(tmp_path) -> None:
     root, launch_dir = str(tmp_path / "root"), str(tmp_path / "start")
     memory = (str(tmp_path / "shm"), "t-preempt")

@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any
 
-from dist_ckpt import runinfo
+from dist_ckpt import faults, runinfo
 from dist_ckpt.errors import Preempted
 from dist_ckpt.storage.local import atomic_write
 from tests.helpers.memory_jobs import _env as memory_env
@@ -19,18 +19,20 @@ NEVER = 1_000_000  # save_every far beyond any run here: only the preemption sav
 
 def train_until_preempted(rank: int, world: int, root: str, launch_dir: str, notice_at: int,
                           limit: int, call: str = "maybe_save", memory: tuple[str, str] | None = None,
-                          config: dict[str, Any] | None = None) -> dict:
+                          config: dict[str, Any] | None = None,
+                          fault_spec: dict[str, dict[str, Any]] | None = None) -> dict:
     """Train up to ``limit`` updates, calling ``call`` (maybe_save or heartbeat) after each;
     rank 0 writes the notice after update ``notice_at``. Returns what ``Preempted`` said
     (None: never preempted) and the gathered state at that point (rank 0)."""
     os.environ[runinfo.LAUNCH_DIR_ENV] = launch_dir
     if memory is not None:
         memory_env(*memory)
+    faults.configure(fault_spec)
     job = build("fsdp", rank, world)
     preempted: Preempted | None = None
     reached = None
     try:
-        with manager(job, root, save_every=NEVER, **(config or {})) as mgr:
+        with manager(job, root, **{"save_every": NEVER, **(config or {})}) as mgr:
             for update in range(mgr.restore().next_update, limit):
                 train_step(job)
                 reached = update + 1
@@ -42,7 +44,7 @@ def train_until_preempted(rank: int, world: int, root: str, launch_dir: str, not
     return {"generation": None if preempted is None else preempted.generation,
             "update": None if preempted is None else preempted.update,
             "code": None if preempted is None else preempted.code, "reached": reached,
-            "full": full_state(job)}
+            "skipped": mgr.stats.skipped, "full": full_state(job)}
 
 
 def restore(rank: int, world: int, root: str, memory: tuple[str, str] | None = None) -> dict:
