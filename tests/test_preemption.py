@@ -11,7 +11,7 @@ import torch
 
 from dist_ckpt import runinfo
 from dist_ckpt.errors import PREEMPTED_EXIT, Preempted
-from dist_ckpt.format.validate import list_generations, validate
+from dist_ckpt.format.validate import list_generations, read_manifest, validate
 from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import run_ranks
@@ -37,6 +37,7 @@ def check_preempted(ranks: list[dict], root: str, launch_dir: str) -> str:
     store = LocalStore(root)
     assert list_generations(store) == [name]  # save_every never came: only the preemption's
     validate(store, name)
+    assert read_manifest(store, name).tokens_seen == preempt_jobs.TOKENS_PER_UPDATE * first["update"]
     reports = runinfo.read_reports(launch_dir)
     assert {r: (rep.get("preempted"), rep.get("preempted_update")) for r, rep in reports.items()} == {
         0: (name, first["update"]), 1: (name, first["update"])}

@@ -14,6 +14,7 @@ from dist_ckpt.storage.local import atomic_write
 from tests.helpers.memory_jobs import _env as memory_env
 from tests.helpers.workers import build, full_state, manager, train_step
 
+TOKENS_PER_UPDATE = 10
 NEVER = 1_000_000  # save_every far beyond any run here: only the preemption saves
 
 
@@ -38,7 +39,7 @@ def train_until_preempted(rank: int, world: int, root: str, launch_dir: str, not
                 reached = update + 1
                 if rank == 0 and reached == notice_at:
                     atomic_write(runinfo.preempt_notice_path(), b"test notice")
-                getattr(mgr, call)(reached)
+                getattr(mgr, call)(reached, tokens_seen=TOKENS_PER_UPDATE * reached)
     except Preempted as stop:
         preempted = stop
     return {"generation": None if preempted is None else preempted.generation,
