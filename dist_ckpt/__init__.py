@@ -27,7 +27,7 @@ _DEFINED_IN = {
     "TrainState": ".restart.state",
     **dict.fromkeys((
         "CommitError", "ConfigError", "ContractMismatch", "DistCkptError", "GenerationExists",
-        "InsufficientSpace", "LayoutMismatch", "NotAtOptimizerBoundary", "RankMismatch",
+        "InsufficientSpace", "LayoutMismatch", "NotAtOptimizerBoundary", "Preempted", "RankMismatch",
         "SignatureError", "StagingError", "StorageError", "TorchVersionMismatch", "UnsafeNameError",
         "UntrustedGenerations", "ValidationError"), ".errors"),
 }
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         InsufficientSpace,
         LayoutMismatch,
         NotAtOptimizerBoundary,
+        Preempted,
         RankMismatch,
         SignatureError,
         StagingError,
@@ -75,6 +76,7 @@ __all__ = [
     "InsufficientSpace",
     "LayoutMismatch",
     "NotAtOptimizerBoundary",
+    "Preempted",
     "RankMismatch",
     "ResumableSampler",
     "SignatureError",

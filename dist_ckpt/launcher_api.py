@@ -21,12 +21,15 @@ Call order (the launcher's main thread, one launcher per node):
    pre-launcher root), :func:`atomic_write` (``current``); the memory directory:
    :func:`memory_base_dir`, :func:`can_name_memory_dir`, :func:`memory_dir`;
 2. before each start: :func:`newest_generation_bytes` and :func:`free_bytes` (the free-space
-   preflight); the environment of the workers: ``ROOT_ENV``, ``RUN_ID_ENV``,
-   ``LAUNCH_DIR_ENV``, ``MIRROR_ENV`` (:func:`mirror_run_url`);
+   preflight), :func:`check_mirror` (a configured mirror answers); the environment of the
+   workers: ``ROOT_ENV``, ``RUN_ID_ENV``, ``LAUNCH_DIR_ENV``, ``MIRROR_ENV`` (:func:`mirror_run_url`);
 3. during each start, every poll: :func:`read_marks` (each rank's :class:`Mark`: its last
-   update, when, and whether it is inside a save, restore or finish), for the watchdog;
+   update, when, and whether it is inside a save, restore or finish), for the watchdog; on a
+   preemption: the notice file ``PREEMPT_NOTICE_NAME`` in the start's directory (the workers
+   save, then exit with ``PREEMPTED_EXIT``);
 4. after each start: :func:`read_reports` (what each rank wrote through ``dist_ckpt.runinfo``),
-   :func:`find_done` (did the run finish), :func:`latest_update` (how far it got).
+   :func:`find_done` (did the run finish), :func:`latest_update` and :func:`latest_generation`
+   (how far it got).
 
 ``dist-ckpt plan`` and ``dist-ckpt runs`` call :func:`launch_log_dirs` to find the launcher's log
 for a checkpoint root; ``RUNS_COMMAND`` is the latter's name (spelled here: it is the layout's
@@ -36,10 +39,11 @@ word for runs).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 
 from .config import ROOT_ENV
-from .errors import DistCkptError
+from .errors import PREEMPTED_EXIT, DistCkptError
 from .format.manifest import parse_generation, read_latest_name
 from .format.validate import read_manifest
 from .marks import Mark, read_marks
@@ -49,17 +53,26 @@ from .memory.paths import base_dir as memory_base_dir
 from .memory.paths import run_dir as memory_dir
 from .memory.paths import valid_run_id as can_name_memory_dir
 from .ops.done import DoneRecord, check_done
-from .runinfo import LAUNCH_DIR_ENV, MIRROR_ENV, RUN_ID_ENV, WorkerReport, read_report, read_reports
+from .runinfo import (
+    LAUNCH_DIR_ENV,
+    MIRROR_ENV,
+    PREEMPT_NOTICE_NAME,
+    RUN_ID_ENV,
+    WorkerReport,
+    read_report,
+    read_reports,
+)
 from .storage.base import open_store, parent_url
 from .storage.local import atomic_write, free_bytes
 
 __all__ = [
     "CURRENT_NAME", "LAUNCH_DIR_ENV", "LAUNCH_LOG_NAME", "LEGACY_RUN_ID", "MEMORY_DIR_PREFIX",
-    "MIRROR_ENV", "ROOT_ENV", "RUNS_COMMAND", "RUNS_DIR", "RUN_ID_ENV", "SHM_DIR_ENV", "STARTS_DIR",
-    "STOP_NAME", "DoneRecord", "Mark", "WorkerReport", "atomic_write", "can_name_memory_dir",
-    "find_done", "free_bytes", "holds_generations", "latest_update", "launch_log_dirs",
-    "memory_base_dir", "memory_dir", "mirror_run_url", "newest_generation_bytes", "read_marks",
-    "read_report", "read_reports", "run_root",
+    "MIRROR_ENV", "PREEMPTED_EXIT", "PREEMPT_NOTICE_NAME", "ROOT_ENV", "RUNS_COMMAND", "RUNS_DIR",
+    "RUN_ID_ENV", "SHM_DIR_ENV", "STARTS_DIR", "STOP_NAME",
+    "DoneRecord", "Mark", "WorkerReport", "atomic_write", "can_name_memory_dir", "check_mirror",
+    "find_done", "free_bytes", "holds_generations", "latest_generation", "latest_update",
+    "launch_log_dirs", "memory_base_dir", "memory_dir", "mirror_run_url", "newest_generation_bytes",
+    "read_marks", "read_report", "read_reports", "run_root",
 ]
 
 # ---- the layout -------------------------------------------------------------------------
@@ -102,6 +115,11 @@ def latest_update(run_root: str) -> int | None:
     return None if name is None else parse_generation(name)
 
 
+def latest_generation(run_root: str) -> str | None:
+    """The generation the run's latest pointer names; None without a readable pointer."""
+    return read_latest_name(open_store(run_root))
+
+
 def newest_generation_bytes(run_root: str) -> int | None:
     """Bytes of the generation the latest pointer names (the size of one more save); None
     when there is no readable pointer or manifest (no estimate: the start is not held up)."""
@@ -125,3 +143,30 @@ def find_done(roots: Iterable[str], *, contract_digest: str, mirror: str | None)
         if record is not None:
             return record
     return None
+
+
+# ---- health before a start ----------------------------------------------------------------
+MIRROR_CHECK_S = 20.0
+
+
+def check_mirror(url: str, timeout_s: float = MIRROR_CHECK_S) -> str | None:
+    """Whether the object store at ``url`` answers a LIST of it within ``timeout_s``: None
+    when it does (an empty or absent prefix in an existing bucket is fine: a new run), else
+    the reason (no such bucket, refused credentials, unreachable endpoint, no answer). The
+    LIST runs in a daemon thread: a client that retries an unreachable endpoint for minutes
+    is abandoned at the deadline, not waited for."""
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            open_store(url).listdir("")
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 - any failure to answer is the finding
+            outcome.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+
+    thread = threading.Thread(target=probe, daemon=True, name="dist-ckpt-mirror-check")
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        return f"mirror {url} did not answer a LIST within {timeout_s:g} s"
+    return None if outcome[0] is None else f"mirror {url} does not answer: {outcome[0]}"

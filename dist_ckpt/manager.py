@@ -194,10 +194,18 @@ class CheckpointManager:
         self._check_open()
         if self._rehearsal is not None:  # dist-ckpt rehearse --script: one update, no write
             rehearsal.end_script_rehearsal(self.ctx, self._rehearsal, next_update)
+        return self._marked_save(next_update, tokens_seen, may_stop=True)
+
+    def _marked_save(self, next_update: int, tokens_seen: int | None, *, may_stop: bool) -> SaveJob | None:
+        """``save`` after its checks; ``finish`` passes ``may_stop=False``: a run that ends
+        under a preemption notice writes its DONE record instead of stopping one step short."""
         self.marks.mark(next_update)
-        preempt = self.preemption.due(next_update)
+        preempt = may_stop and self.preemption.due(next_update)
+        if preempt and self.memory is not None:
+            self.memory.force(generation_name(next_update))  # to the root, whatever persist_every says
         with self.marks.section("save", self._save_bound_s()):
-            job = self._save(next_update, tokens_seen)
+            # the preemption's save is never skipped for a save in flight: it blocks instead
+            job = self._save(next_update, tokens_seen, may_skip=not preempt)
         if preempt:
             self._stop_preempted(next_update)
         return job
@@ -206,7 +214,7 @@ class CheckpointManager:
         # the longest save() may block: the oldest save in flight, then this one, each bounded
         return 2 * self.config.commit_timeout_s + 60
 
-    def _save(self, next_update: int, tokens_seen: int | None) -> SaveJob | None:
+    def _save(self, next_update: int, tokens_seen: int | None, *, may_skip: bool) -> SaveJob | None:
         started = time.perf_counter()
         self.stats.requested += 1
         live = self.state.tensor_state()
@@ -231,7 +239,7 @@ class CheckpointManager:
                     raise GenerationExists(f"{name} {agreed[0].exists} under {self.config.root}")
                 if not any(f.busy for f in agreed):
                     break
-                if self.config.in_flight_policy == "skip":
+                if self.config.in_flight_policy == "skip" and may_skip:
                     self.stats.skipped += 1
                     log.warning("skipped save of %s: %d save(s) in flight", name, len(self.inflight))
                     return None
@@ -256,23 +264,26 @@ class CheckpointManager:
         self._check_open()
         if self.schedule is None:
             raise ConfigError("maybe_save needs CheckpointConfig(save_every=N) (field save_every)")
-        if not self.schedule.due(next_update) and self._rehearsal is None:
-            self.heartbeat(next_update)
+        if not self.schedule.due(next_update) and self._rehearsal is None \
+                and not self.preemption.due(next_update):
+            self.marks.mark(next_update)
             return None
         job = self.save(next_update, tokens_seen=tokens_seen)
         if job is not None:
             self.schedule.saved(next_update, self.stats.last_blocking_s, self.comm.broadcast)
         return job
 
-    def heartbeat(self, update: int) -> None:
+    def heartbeat(self, update: int, *, tokens_seen: int | None = None) -> None:
         """Tell the launcher this rank reached ``update`` (every rank, once per update, for
         jobs that save rarely; ``save`` and ``maybe_save`` do it themselves). Costs a few
         stores into a mapped file. Under a preemption notice, every rank saves the agreed
-        update at this call and raises ``Preempted`` once it is durable on the root."""
+        update at this call (with ``tokens_seen``, as ``save`` would) and raises
+        ``Preempted`` once it is durable on the root."""
         self._check_open()
-        self.marks.mark(update)
         if self.preemption.due(update):
-            self.save(update)
+            self.save(update, tokens_seen=tokens_seen)
+        else:
+            self.marks.mark(update)
 
     def _stop_preempted(self, next_update: int) -> None:
         """All ranks, after the save of the agreed update started: wait until it is durable on
@@ -307,7 +318,7 @@ class CheckpointManager:
         name = generation_name(final_update)
         step = finish.final_step(self.ctx, name, self.memory)
         if step is FinalStep.SAVE:
-            self.save(final_update, tokens_seen=tokens_seen)
+            self._marked_save(final_update, tokens_seen, may_stop=False)
         elif step is FinalStep.PERSIST_FROM_MEMORY:
             assert self.memory is not None
             finish.persist_from_memory(self.ctx, self.memory, name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ DEFAULT_BACKOFF = (10.0, 20.0, 40.0)
 DEFAULT_STARTUP_TIMEOUT = 900.0
 DEFAULT_STRAGGLER_FACTOR = 1.5
 DEFAULT_STRAGGLER_WINDOW = 20
+DEFAULT_GRACE_S = 60.0
+DEFAULT_MAX_NO_PROGRESS = 2
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -43,6 +46,9 @@ class LaunchOptions:
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
     straggler_factor: float = DEFAULT_STRAGGLER_FACTOR
     straggler_window: int = DEFAULT_STRAGGLER_WINDOW
+    preempt_signal: signal.Signals = signal.SIGTERM
+    grace_s: float = DEFAULT_GRACE_S
+    max_no_progress: int = DEFAULT_MAX_NO_PROGRESS
 
     def backoff_before(self, start: int) -> float:
         """Seconds to wait before start number ``start`` (2, 3, ...)."""
@@ -120,6 +126,35 @@ def _window(text: str) -> int:
     return value
 
 
+def _signal(text: str) -> signal.Signals:
+    name = text.strip().upper()
+    try:
+        chosen = signal.Signals(int(name)) if name.isdigit() else signal.Signals[
+            name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"--preempt-signal wants a signal like USR1, not {text!r}") from None
+    if chosen in (signal.SIGKILL, signal.SIGSTOP):
+        raise argparse.ArgumentTypeError(f"--preempt-signal {chosen.name} cannot be caught")
+    return chosen
+
+
+def _grace_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants seconds, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
 def _run_id(text: str) -> str:
     if not _RUN_ID.match(text):
         raise argparse.ArgumentTypeError(f"--run-id {text!r}: letters, digits, '_', '.', '-' only")
@@ -137,8 +172,18 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
                        metavar="S1,S2,...", help="seconds to wait before the 2nd, 3rd, ... start "
                                                  "(the last value repeats; default 10,20,40)")
     group.add_argument("--stop-file", default=None, metavar="PATH",
-                       help="operator stop: when it exists the workers get SIGTERM and nothing "
-                            f"starts again (default ROOT/{STOP_NAME})")
+                       help="operator stop: when it exists the launcher preempts the job (the "
+                            "workers save, then stop) and nothing starts again "
+                            f"(default ROOT/{STOP_NAME})")
+    group.add_argument("--preempt-signal", type=_signal, default=signal.SIGTERM, metavar="SIG",
+                       help="a signal that preempts the job like SIGTERM does, e.g. USR1 for "
+                            "SLURM's --signal=B:USR1@120 (default: SIGTERM only)")
+    group.add_argument("--grace", type=_grace_seconds, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                       help="on a preemption, how long the workers may take to save before they "
+                            "are killed (default 60)")
+    group.add_argument("--max-no-progress", type=_count, default=DEFAULT_MAX_NO_PROGRESS, metavar="N",
+                       help="stop (crash loop) after N consecutive failed starts that committed "
+                            "nothing newer than what they resumed from (default 2; 0: never)")
     group.add_argument("--fresh", action="store_true",
                        help="start a new run in a new run directory; earlier runs are kept")
     group.add_argument("--min-free-bytes", type=_bytes, default=None, metavar="BYTES",
@@ -147,7 +192,8 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
                        help="name of the run to start or continue (default: the active run, "
                             "or the next number); give the same one on every node")
     group.add_argument("--mirror", default=None, metavar="URL",
-                       help=f"object-store URL; each run replicates to URL/{RUNS_DIR}/<id>")
+                       help=f"object-store URL; each run replicates to URL/{RUNS_DIR}/<id>; it must answer a "
+                            "LIST before each start")
     group.add_argument("--hang-timeout", type=_hang_timeout, default="auto", metavar="SECONDS|auto",
                        help="end a start (outcome hung, restarted) when no rank made progress for "
                             "this long; auto: 10 x the longest interval between two marks of a "
@@ -157,7 +203,7 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
                        help="the hang timeout before a start's first mark: imports, rendezvous "
                             f"and restore (default {DEFAULT_STARTUP_TIMEOUT:g})")
     group.add_argument("--straggler-factor", type=_factor, default=DEFAULT_STRAGGLER_FACTOR,
-                       metavar="F", help="name a rank whose own time per update is more than F x "
+                       metavar="F", help="name a rank whose own time per update is at least F x "
                                          f"the job's (default {DEFAULT_STRAGGLER_FACTOR:g})")
     group.add_argument("--straggler-window", type=_window, default=DEFAULT_STRAGGLER_WINDOW,
                        metavar="N", help="updates in the sliding window of the straggler medians "
@@ -213,4 +259,6 @@ def parse(argv: list[str]) -> LaunchOptions:
         torchrun_argv=["--max-restarts", "0", *torchrun_head, *script_part],
         torchrun=args, notes=notes, hang_timeout=args.hang_timeout,
         startup_timeout=args.startup_timeout, straggler_factor=args.straggler_factor,
-        straggler_window=args.straggler_window)
+        straggler_window=args.straggler_window,
+        preempt_signal=args.preempt_signal, grace_s=args.grace,
+        max_no_progress=args.max_no_progress)

@@ -1,20 +1,20 @@
-"""The restart loop: bounded starts, backoff, operator stop, free-space preflight.
+"""The restart loop: bounded starts, backoff, preemption, crash loops, health before a start.
 
 Call order (one launcher process per node, main thread): ``Launcher(options).run()``. Each
-start runs ``python -m launch.agent`` (torch's elastic launcher) in its own session, waits for
-it while watching the stop file, classifies the outcome (:mod:`launch.policy`), logs one line
-and one JSON record, then stops or backs off and starts again. SIGTERM/SIGINT to the launcher
-are forwarded once to the agent, which forwards them to the workers; no further start follows.
-While a start runs, every poll reads the ranks' progress marks: the watchdog
-(:mod:`launch.watchdog`) ends a start that no rank advances (outcome ``hung``, restarted) and
-names the stragglers.
+start runs ``python -m launch.agent`` (torch's elastic launcher) in its own session, after the
+checks of :mod:`launch.health`; waits for it while watching the stop file and the signals,
+classifies the outcome (:mod:`launch.policy`), logs one line and one JSON record, then stops or
+backs off and starts again. SIGTERM, the ``--preempt-signal`` and the stop file preempt the job
+(:mod:`launch.preemption`: the workers save, then stop); SIGINT is forwarded once to the agent,
+which forwards it to the workers. No further start follows either. While a start runs, every
+poll reads the ranks' progress marks: the watchdog (:mod:`launch.watchdog`) ends a start that
+no rank advances (outcome ``hung``, restarted) and names the stragglers.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,13 +26,15 @@ from typing import Any
 
 from dist_ckpt import launcher_api as api
 
-from . import memory_dir, policy, records, watchdog
+from . import health, memory_dir, policy, records, watchdog
 from .options import LaunchOptions
+from .preemption import Preemption, Step
 from .rundir import choose_run
 
 POLL_S = 0.2
-END_GRACE_S = 10.0  # between the SIGTERM that ends a hung start and the SIGKILL
+KILL_GRACE_S = 10.0  # between the SIGTERM that ends a start (hung, or past the grace) and the SIGKILL
 EXIT_OK, EXIT_PERMANENT, EXIT_GAVE_UP, EXIT_STOPPED = 0, 1, 3, 4
+EXIT_PREEMPTED = api.PREEMPTED_EXIT  # neither success nor failure: start the job again later
 _PR_SET_PDEATHSIG = 1
 
 
@@ -90,7 +92,10 @@ class Launcher:
         self.created = created
         self.records: list[records.StartRecord] = []
         self._agent: subprocess.Popen | None = None
-        self._signal: int | None = None
+        self._signal: int | None = None  # SIGINT: the operator's immediate stop
+        self.preemption = Preemption(options.grace_s)
+        self.crash_loop = policy.CrashLoop(options.max_no_progress)
+        self._worker_mirror: str | None = None  # the mirror the last start's workers reported
         self._wake = threading.Event()
         self.watchdog = watchdog.Watchdog(options.hang_timeout, options.startup_timeout)
         self.stragglers = watchdog.Stragglers(options.straggler_factor, options.straggler_window,
@@ -107,7 +112,8 @@ class Launcher:
             records.emit(f"[launch] {note}")
         records.emit(f"[launch] run {self.run_id} ({'new' if self.created else 'continued'}) in "
                      f"{self.run_dir}; stop file {self.options.stop_file}")
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        handled = {signal.SIGTERM, signal.SIGINT, self.options.preempt_signal}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         memory = self._claim_memory()
         try:
             return self._loop()
@@ -137,21 +143,40 @@ class Launcher:
         opts = self.options
         for start in range(1, opts.max_starts + 1):
             backoff = opts.backoff_before(start)
-            if self._stop_reason() is None and backoff:
+            if self._interrupted() is None and backoff:
                 records.emit(f"[launch] waiting {backoff:g} s before start {start}")
                 self._sleep(backoff)
-            stop = self._stop_reason()
+            if self.preemption.pending:
+                newest = api.latest_generation(self.run_dir)
+                return self._finish(f"preempted before start {start}: {self.preemption.reason}; "
+                                    f"nothing was running (newest generation: {newest or 'none'})",
+                                    EXIT_PREEMPTED)
+            stop = self._interrupted()
             if stop is not None:
                 return self._finish(f"stopped before start {start}: {stop}", EXIT_STOPPED)
+            before = api.latest_update(self.run_dir)
             record = self._start(start, backoff)
             self.records.append(record)
             records.emit(record.line())
             records.append(self.root, record)
             if record.classification in policy.ENDS_THE_LOOP:
-                code = {policy.DONE: EXIT_OK, policy.FINISHED: EXIT_OK,
-                        policy.STOPPED: EXIT_STOPPED}.get(record.classification, EXIT_PERMANENT)
-                return self._finish(f"{record.classification}: {record.reason}", code)
+                return self._ended(record)
+            resumed = record.resumed_update if record.resumed_update is not None else before
+            loop = self.crash_loop.failed(resumed, record.final_update)
+            if loop is not None and start < opts.max_starts:  # else: gave up after the last start
+                return self._finish(f"{loop} ({opts.max_no_progress} starts in a row committed "
+                                    f"nothing newer): {record.reason}", EXIT_GAVE_UP)
         return self._finish(f"gave up after {opts.max_starts} starts without DONE", EXIT_GAVE_UP)
+
+    def _ended(self, record: records.StartRecord) -> int:
+        kind = record.classification
+        if kind == policy.PREEMPTED:
+            took = (f"in {self.preemption.seconds():.1f} s" if self.preemption.noticed
+                    else "(the notice came to another node's launcher)")
+            return self._finish(f"preempted: {record.reason} {took}", EXIT_PREEMPTED)
+        code = {policy.DONE: EXIT_OK, policy.FINISHED: EXIT_OK,
+                policy.STOPPED: EXIT_STOPPED}.get(kind, EXIT_PERMANENT)
+        return self._finish(f"{kind}: {record.reason}", code)
 
     def _finish(self, outcome: str, code: int) -> int:
         records.emit(records.summary(self.records, f"{outcome} (exit {code})"))
@@ -164,7 +189,7 @@ class Launcher:
                                      max_starts=self.options.max_starts, nodes=str(args.nnodes),
                                      procs_per_node=str(args.nproc_per_node),
                                      began_unix=time.time(), backoff_s=backoff)
-        problem = self._preflight()
+        problem = health.preflight(self.options, self.run_dir, self.mirror or self._worker_mirror)
         if problem is not None:
             record.classification, record.reason = policy.PERMANENT, problem
             return record
@@ -175,11 +200,12 @@ class Launcher:
         began = time.monotonic()
         agent_rc, stop = self._run_agent(start_dir, result_path)
         record.duration_s = round(time.monotonic() - began, 3)
+        self.preemption.over()
         result = api.read_report(result_path)
         reports = api.read_reports(start_dir)
         verdict = policy.classify(run_root=self.run_dir, reports=reports, result=result,
                                   agent_rc=agent_rc, stop_reason=stop, mirror=self.mirror,
-                                  hung=self._hung)
+                                  hung=self._hung, preempted=self.preemption.noticed)
         record.classification, record.reason = verdict.kind, verdict.reason
         record.ranks = self.stragglers.figures()
         self._describe(record, reports, result)
@@ -206,7 +232,7 @@ class Launcher:
                     return self._agent.wait(timeout=POLL_S), stop
                 except subprocess.TimeoutExpired:
                     pass
-                if stop is None:
+                if stop is None and not self.preemption.noticed:
                     marks = api.read_marks(start_dir)
                     for line in self.stragglers.observe(marks):
                         records.emit(line)
@@ -214,32 +240,24 @@ class Launcher:
                     if hung is not None:
                         self._hung = hung.reason
                         records.emit(f"[launch] hung: {hung.reason}: ending the start")
-                        return self._end_start(self._agent, marks), stop
-                reason = self._stop_reason()
-                if reason is not None and stop is None:
+                        return end_start(self._agent, {m.pid for m in marks.values()}), stop
+                reason = self._interrupted()
+                if self._signal is not None and stop is None:
                     stop = reason
-                    forwarded = signal.Signals(self._signal or signal.SIGTERM)
-                    records.emit(f"[launch] {reason}: sending {forwarded.name} to the workers")
-                    self._agent.send_signal(forwarded)  # torchrun forwards it to every worker
+                    records.emit(f"[launch] {reason}: sending SIGINT to the workers")
+                    self._agent.send_signal(signal.SIGINT)  # torchrun forwards it to every worker
+                self._preempt(start_dir)
         finally:
             self._agent = None
 
-    def _end_start(self, agent: subprocess.Popen, marks: dict[int, api.Mark]) -> int | None:
-        """End a hung start: SIGTERM then SIGCONT (a stopped worker must get to handle the
-        SIGTERM) to the agent's process group and to each worker's (torchrun starts every
-        worker in a session of its own), then after END_GRACE_S SIGKILL to all of them, which
-        also ends a stopped or uninterruptible worker. Returns the agent's exit status."""
-        groups = [agent.pid, *sorted(_children(agent.pid) | {m.pid for m in marks.values() if m.pid > 0})]
-        for sig in (signal.SIGTERM, signal.SIGCONT):
-            for group in groups:
-                _signal_group(group, sig)
-        deadline = time.monotonic() + END_GRACE_S
-        while time.monotonic() < deadline and not (agent.poll() is not None and
-                                                   not any(_alive(pid) for pid in groups[1:])):
-            time.sleep(POLL_S)
-        for group in groups:
-            _signal_group(group, signal.SIGKILL)
-        return agent.wait()
+    def _preempt(self, start_dir: str) -> None:
+        step = self.preemption.step(start_dir)
+        if step is Step.NOTIFIED:
+            records.emit(f"[launch] {self.preemption.reason}: preemption notice to the workers (they "
+                         f"save, then stop); killing them in {self.preemption.grace_s:g} s")
+        elif step is Step.END and self._agent is not None:
+            records.emit(f"[launch] preemption: {self.preemption.ended_why}; ending the workers now")
+            end_start(self._agent)
 
     def _describe(self, record: records.StartRecord, reports: dict[int, api.WorkerReport],
                   result: dict[str, Any] | None) -> None:
@@ -255,47 +273,54 @@ class Launcher:
             record.updates = max(0, record.final_update - record.resumed_update)
         if result is not None:
             record.exit_codes = {rank: f.get("exitcode") for rank, f in result.get("failures", {}).items()}
+        mirrors = {r.get("mirror") for r in reports.values() if r.get("mirror")}
+        if len(mirrors) == 1:
+            self._worker_mirror = mirrors.pop()
 
-    # ---- preflight and stopping ---------------------------------------------------------
-    def _preflight(self) -> str | None:
-        args = self.options.torchrun
-        script = args.training_script
-        if args.no_python:
-            if shutil.which(script) is None and not os.path.isfile(script):
-                return f"program not found: {script}"
-        elif not args.module and not os.path.isfile(script):
-            return f"training script not found: {script}"
-        need = self.options.min_free_bytes
-        if need is None:
-            need = api.newest_generation_bytes(self.run_dir) or 0
-        try:
-            free = api.free_bytes(self.run_dir)
-        except OSError as exc:
-            records.emit(f"[launch] cannot measure free space under {self.run_dir}: {exc}")
-            return None
-        if free < need:
-            return (f"insufficient space: {free} bytes free under {self.run_dir}, a start needs "
-                    f"{need} (one more generation, or --min-free-bytes)")
-        return None
-
-    def _stop_reason(self) -> str | None:
+    # ---- stopping ----------------------------------------------------------------------
+    def _interrupted(self) -> str | None:
+        """Why no start may follow: SIGINT, or a preemption (a signal or the stop file)."""
         if self._signal is not None:
             return f"{signal.Signals(self._signal).name} received"
-        if os.path.exists(self.options.stop_file):
-            return f"stop file {self.options.stop_file} exists (remove it to start again)"
-        return None
+        if not self.preemption.pending and os.path.exists(self.options.stop_file):
+            self.preemption.requested(f"stop file {self.options.stop_file} exists (remove it to "
+                                      "start again)", signal=False)
+        return self.preemption.reason
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        # only a flag: the loop forwards it once, within POLL_S, from the main thread
-        if self._signal is None:
-            self._signal = signum
+        # only flags: the main thread acts on them within POLL_S
+        if signum == signal.SIGINT and signum != self.options.preempt_signal:
+            if self._signal is None:
+                self._signal = signum
+        else:
+            self.preemption.requested(f"{signal.Signals(signum).name} received", signal=True)
         self._wake.set()
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while self._stop_reason() is None:
+        while self._interrupted() is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
             self._wake.wait(min(POLL_S, remaining))
 
+
+
+def end_start(agent: subprocess.Popen, worker_pids: set[int] | frozenset[int] = frozenset(),
+              grace_s: float = KILL_GRACE_S) -> int | None:
+    """End a start now: SIGTERM then SIGCONT (a stopped worker must run to handle the SIGTERM)
+    to the agent's process group and to each worker's (torchrun starts every worker in a
+    session of its own: the agent's group does not reach them; ``worker_pids`` adds those the
+    marks name), then, once all are gone or after ``grace_s``, SIGKILL to every group, which
+    also ends a stopped or uninterruptible worker. Returns the agent's exit status."""
+    groups = [agent.pid, *sorted((_children(agent.pid) | set(worker_pids)) - {0})]
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        for group in groups:
+            _signal_group(group, sig)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not (agent.poll() is not None and
+                                               not any(_alive(pid) for pid in groups[1:])):
+        time.sleep(POLL_S)
+    for group in groups:
+        _signal_group(group, signal.SIGKILL)
+    return agent.wait()

@@ -21,6 +21,8 @@ Phases (2 gloo ranks, ``--state-mib`` MiB of FSDP2 model + AdamW state per rank,
 - ``interference``: train step time with no save in flight vs while an async save runs.
 - ``memory``: peak RSS while async saves run with ``max_in_flight`` K = 1 and 2.
 - ``commit_scale`` (one process): rank 0's commit for 8, 64, 512 and 4096 simulated reports.
+- ``heartbeat`` (one rank): the cost per ``heartbeat()`` / ``maybe_save()`` call with nothing
+  pending, outside the launcher and under a simulated launcher directory.
 - ``compare`` (its own 2-rank run, then a 3-rank one): dist_ckpt side by side with raw DCP on
   the same job and the same tensors (``get_state_dict`` of the model and AdamW). Methods (the
   columns): our async save with the eager snapshot, with the lazy one (only when
@@ -54,6 +56,7 @@ Targets (``report.TARGETS``):
 - interference, step with a save in flight / idle step <= 1.10
 - peak RSS with K saves in flight / (baseline + K x state) <= 1.10, K = 1 and 2
 - rank-0 commit of 4096 reports < 1 s
+- a progress call (``heartbeat``, ``maybe_save``) with nothing pending < 50 µs
 
 Compare targets (issue 12; ``compare_report.target_specs``), each judged as ``value <= target x
 reference`` so that a reference of 0 or less still judges:

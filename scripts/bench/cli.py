@@ -11,6 +11,7 @@ from typing import Any
 
 from . import compare_report, jobs, report
 from .cpu_profile import format_profile
+from .heartbeat import print_costs
 from .runner import PHASES, run_all
 
 USAGE = """The dist_ckpt benchmark: every performance target measured in one run (2 gloo ranks).
@@ -21,8 +22,9 @@ Usage (from the repository root):
                                          [--phases P,...] [--compare] [--steps N] [--lost-pairs N]
                                          [--allocator caching|glibc] [--profile-cpu]
 
-Phases (default: all): saves, restore (needs saves), interference, memory, commit_scale, compare
-(dist_ckpt side by side with raw DCP save / async_save / async_save with async staging).
+Phases (default: all): saves, restore (needs saves), interference, memory, commit_scale,
+heartbeat (the cost of a progress call with nothing pending), compare (dist_ckpt side by side
+with raw DCP save / async_save / async_save with async staging).
 
 Phases and targets: see the docstring of scripts/bench/__init__.py. Not a test.
 """
@@ -112,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, text in raw["profiles"].items():
         print(f"\n---- cProfile: {name} ----\n{text}")
     doc = report.document(raw, cfg, walls, rows, ratio_values)
+    if "heartbeat" in raw:
+        print_costs(raw["heartbeat"])
+        doc["heartbeat_us"] = raw["heartbeat"]
     if "compare" in raw:
         table, targets, info = compare_report.analyse(raw["compare"], cfg)
         compare_report.print_compare(table, targets, info)

@@ -15,13 +15,14 @@ from unittest import mock
 from .commit_scale import commit_scale
 from .compare import rank_compare, rank_compare_reshard
 from .context import Ctx
+from .heartbeat import rank_heartbeat
 from .interference import phase_interference
 from .restore import phase_restore, rank_reshard
 from .rss import rank_rss
 from .saves import phase_saves
 
 RUN_TIMEOUT_S = 3600
-PHASES = ("saves", "restore", "interference", "memory", "commit_scale", "compare")
+PHASES = ("saves", "restore", "interference", "memory", "commit_scale", "heartbeat", "compare")
 MAIN_PHASES = ("saves", "restore", "interference")  # one 2-rank job; restore reads what saves left
 
 
@@ -112,6 +113,9 @@ def run_all(cfg: dict[str, Any], base: str, walls: dict[str, float]) -> dict[str
         out["scale"], scale_profiles = timed_run(
             "commit scale (1 process)", lambda: commit_scale(base, cfg["repeats"], cfg["profile"]))
         out["profiles"].update(scale_profiles)
+    if "heartbeat" in phases:
+        out["heartbeat"] = timed_run("heartbeat (1 rank)", lambda: run_ranks(
+            1, rank_heartbeat, cfg, base, timeout_s=RUN_TIMEOUT_S))[0]
     if "compare" in phases:
         out["compare"] = run_compare(cfg, base, timed_run)
     return out
