@@ -133,10 +133,11 @@ def newest_generation_bytes(run_root: str) -> int | None:
         return None
 
 
-def find_done(roots: Iterable[str], *, contract_digest: str, mirror: str | None) -> DoneRecord | None:
+def find_done(roots: Iterable[str], *, contract_digest: str | None,
+              mirror: str | None) -> DoneRecord | None:
     """The first DONE record among ``roots`` (in order) that holds for the run with
-    ``contract_digest``: its final generation validates there, or in ``mirror`` for a
-    node-local root. None when no root has one."""
+    ``contract_digest`` (None: whatever contract it records): its final generation validates
+    there, or in ``mirror`` for a node-local root. None when no root has one."""
     mirror_store = open_store(mirror) if mirror else None
     for root in roots:
         record, _ = check_done(open_store(root), contract_digest=contract_digest, mirror=mirror_store)

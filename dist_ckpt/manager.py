@@ -139,7 +139,7 @@ class CheckpointManager:
             every=config.save_every, auto=config.cadence == "auto", mtbf_s=config.mtbf_s)
         _OPEN.add(self)
         runinfo.report(self.comm.rank, root=config.root, mirror=config.mirror,
-                       world_size=self.comm.world_size, pid=os.getpid(),
+                       world_size=self.comm.world_size, pid=os.getpid(), memory_tier=config.memory_tier,
                        contract_digest=contract_mod.digest(state.contract))
 
     @property

@@ -59,6 +59,10 @@ class WorkerReport(TypedDict, total=False):
     rejected: list[str]  # the restore's rejections, as text
     done: str  # the final generation ``finish()`` recorded in DONE.json
     failure: WorkerFailure
+    memory_tier: bool  # the job saves to the node's memory tier
+    committed_update: int  # rank 0: the newest generation committed in any tier (memory too)
+    preempted: str  # the generation saved for a preemption
+    preempted_update: int
 
 
 # failures a restart cannot cure: the launcher stops instead of starting again

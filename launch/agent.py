@@ -8,6 +8,8 @@ process per start gives every start a fresh rendezvous and a fresh c10d store.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 from typing import Any
@@ -30,11 +32,30 @@ def _failures(exc: ChildFailedError) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _parse(torchrun_argv: list[str], result: dict[str, Any]) -> Any:
+    """torchrun's arguments, or None with ``result["usage"]`` set to torchrun's complaint (its
+    usage text goes to stderr once, as torchrun prints it)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return parse_args(torchrun_argv)
+    except SystemExit as exc:
+        text = captured.getvalue()
+        sys.stderr.write(text)
+        lines = [line for line in text.splitlines() if line.strip()]
+        result["usage"] = (lines[-1] if lines else f"torchrun exited {exc.code}")[-MESSAGE_LIMIT:]
+        return None
+
+
 def main(argv: list[str]) -> int:
     result_path, torchrun_argv = argv[0], argv[1:]
     result: dict[str, Any] = {"ok": False, "failures": {}, "signal": None, "error": None}
     try:
-        run(parse_args(torchrun_argv))
+        args = _parse(torchrun_argv, result)
+        if args is None:  # a usage error: the same on every start, so the launcher stops
+            atomic_write(result_path, json.dumps(result).encode())
+            return 2
+        run(args)
         result["ok"] = True
     except ChildFailedError as exc:
         result["failures"] = _failures(exc)

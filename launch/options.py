@@ -212,6 +212,9 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
+    # no prefix matching: "--max-start 2" must be an error, not torchrun's option by another
+    # name or a token forwarded raw to torchrun (which rejects it after every start)
+    parser.allow_abbrev = False
     parser.prog = "python -m launch"
     parser.description = ("Run a torchrun job with dist_ckpt checkpoints and a bounded restart "
                           "policy. All torchrun options are accepted and forwarded.")

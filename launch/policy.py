@@ -1,5 +1,6 @@
 """How a start ended, in the order that decides what the launcher does next.
 
+0. ``usage``: torchrun rejected the command line (the same on every start): exit 2, once.
 1. ``done``: a DONE record holds for this run (contract digest of this start's workers, final
    generation still valid), whatever the exit codes say: a job that wrote DONE and then died
    in interpreter teardown is finished, not failed.
@@ -34,7 +35,8 @@ DONE, FINISHED, PREEMPTED, STOPPED = "done", "finished", "preempted", "stopped"
 PERMANENT, TRANSIENT = "permanent", "transient"
 HUNG = "hung"  # transient too: not in ENDS_THE_LOOP, the loop starts again
 STOPPED_EXIT = 128 + 15  # a worker that exits on the agent's SIGTERM
-ENDS_THE_LOOP = frozenset({DONE, FINISHED, PREEMPTED, STOPPED, PERMANENT})
+USAGE = "usage"  # torchrun rejected the command line: permanent, exit 2
+ENDS_THE_LOOP = frozenset({DONE, FINISHED, PREEMPTED, STOPPED, PERMANENT, USAGE})
 
 
 @dataclass
@@ -85,12 +87,17 @@ def failure_summary(result: dict[str, Any] | None, agent_rc: int | None) -> str:
     return "; ".join(parts) or "failed without a reported reason"
 
 
+# what a launcher user does about a permanent error, beyond what the library's message says
+FIXES = {"ContractMismatch": "; or start a new run with --fresh"}
+
+
 def permanent_reason(reports: dict[int, WorkerReport]) -> str | None:
     for rank, report in sorted(reports.items()):
         failure = report.get("failure") or {}
         if failure.get("permanent"):
             first = str(failure.get("message", "")).splitlines()[0][:300]
-            return f"rank {rank}: {failure.get('error')}: {first}"
+            hint = FIXES.get(str(failure.get("error")), "")
+            return f"rank {rank}: {failure.get('error')}: {first}{hint}"
     return None
 
 
@@ -119,6 +126,8 @@ def preempted_verdict(run_root: str, reports: dict[int, WorkerReport]) -> Verdic
 def classify(*, run_root: str, reports: dict[int, WorkerReport], result: dict[str, Any] | None,
              agent_rc: int | None, stop_reason: str | None, mirror: str | None,
              hung: str | None = None, preempted: bool = False) -> Verdict:
+    if result is not None and result.get("usage"):
+        return Verdict(USAGE, f"torchrun rejected the command line: {result['usage']}")
     done = done_verdict(run_root, reports, mirror)
     if done is not None:
         return done

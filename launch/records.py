@@ -63,7 +63,8 @@ def summary(records: list[StartRecord], outcome: str) -> str:
     header = ["start", "world", "resumed from", "updates", "seconds", "result", "why"]
     rows = [header] + [[str(r.start), str(r.world_size or f"{r.nodes}x{r.procs_per_node}"),
                         r.resumed_from or "?", "-" if r.updates is None else str(r.updates),
-                        f"{r.duration_s:.1f}", r.classification, r.reason[:100]] for r in records]
+                        f"{r.duration_s:.1f}", r.classification, r.reason] for r in records]
+    # the reason is the last column, never cut: a user needs all of it (a fix may be at its end)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = [f"[launch] {outcome}"]
     for row in rows:

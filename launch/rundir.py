@@ -49,7 +49,11 @@ def _next_number(root: str) -> str:
 
 def choose_run(root: str, *, fresh: bool, run_id: str | None) -> tuple[str, str, bool]:
     """``(run id, run directory, created)`` for this launch; records it in ``ROOT/current``."""
-    os.makedirs(root, exist_ok=True)
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:  # a file where the directory should be, a read-only parent, ...
+        what = "is not a directory" if os.path.exists(root) else f"cannot be created ({exc.strerror})"
+        raise RunDirError(f"--checkpoint-root {root} {what}") from None
     current = read_current(root)
     if run_id is not None:
         chosen = run_id

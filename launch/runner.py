@@ -33,7 +33,7 @@ from .rundir import choose_run
 
 POLL_S = 0.2
 KILL_GRACE_S = 10.0  # between the SIGTERM that ends a start (hung, or past the grace) and the SIGKILL
-EXIT_OK, EXIT_PERMANENT, EXIT_GAVE_UP, EXIT_STOPPED = 0, 1, 3, 4
+EXIT_OK, EXIT_PERMANENT, EXIT_USAGE, EXIT_GAVE_UP, EXIT_STOPPED = 0, 1, 2, 3, 4
 EXIT_PREEMPTED = api.PREEMPTED_EXIT  # neither success nor failure: start the job again later
 _PR_SET_PDEATHSIG = 1
 
@@ -101,6 +101,7 @@ class Launcher:
         self.stragglers = watchdog.Stragglers(options.straggler_factor, options.straggler_window,
                                               socket.gethostname())
         self._hung: str | None = None
+        self._memory_tier_used = False  # a start's workers reported the memory tier on
 
     @property
     def mirror(self) -> str | None:
@@ -112,6 +113,10 @@ class Launcher:
             records.emit(f"[launch] {note}")
         records.emit(f"[launch] run {self.run_id} ({'new' if self.created else 'continued'}) in "
                      f"{self.run_dir}; stop file {self.options.stop_file}")
+        done = api.find_done([self.run_dir], contract_digest=None, mirror=self.mirror)
+        if done is not None:  # nothing to start: say so before spending a start on it
+            return self._finish(f"run {self.run_id} is done: DONE for {done.generation} "
+                                f"({done.tokens_seen} tokens seen); --fresh starts a new run", EXIT_OK)
         handled = {signal.SIGTERM, signal.SIGINT, self.options.preempt_signal}
         previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         memory = self._claim_memory()
@@ -120,7 +125,7 @@ class Launcher:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if memory is not None and memory_dir.remove_run(self.run_id):
+            if memory is not None and memory_dir.remove_run(self.run_id) and self._memory_tier_used:
                 records.emit(f"[launch] removed in-memory checkpoints {memory}")
 
     def _claim_memory(self) -> str | None:
@@ -174,8 +179,8 @@ class Launcher:
             took = (f"in {self.preemption.seconds():.1f} s" if self.preemption.noticed
                     else "(the notice came to another node's launcher)")
             return self._finish(f"preempted: {record.reason} {took}", EXIT_PREEMPTED)
-        code = {policy.DONE: EXIT_OK, policy.FINISHED: EXIT_OK,
-                policy.STOPPED: EXIT_STOPPED}.get(kind, EXIT_PERMANENT)
+        code = {policy.DONE: EXIT_OK, policy.FINISHED: EXIT_OK, policy.STOPPED: EXIT_STOPPED,
+                policy.USAGE: EXIT_USAGE}.get(kind, EXIT_PERMANENT)
         return self._finish(f"{kind}: {record.reason}", code)
 
     def _finish(self, outcome: str, code: int) -> int:
@@ -209,8 +214,6 @@ class Launcher:
         record.classification, record.reason = verdict.kind, verdict.reason
         record.ranks = self.stragglers.figures()
         self._describe(record, reports, result)
-        if api.can_name_memory_dir(self.run_id):
-            record.memory_bytes = memory_dir.used_bytes(self.run_id)
         return record
 
     def _run_agent(self, start_dir: str, result_path: str) -> tuple[int | None, str | None]:
@@ -268,11 +271,22 @@ class Launcher:
             record.resumed_from = resumed[0]["resumed_from"] or "fresh"
             record.resumed_update = resumed[0].get("next_update")
             record.resumed_tier = resumed[0].get("resumed_tier")
-        record.final_update = api.latest_update(self.run_dir)
+        # the newest generation committed in any tier: the root's pointer, or what rank 0
+        # reported (with the memory tier, memory is ahead of the root)
+        committed = [api.latest_update(self.run_dir)] + [
+            r.get("committed_update") for r in reports.values()]
+        known = [u for u in committed if isinstance(u, int)]
+        record.final_update = max(known) if known else None
         if record.final_update is not None and record.resumed_update is not None:
             record.updates = max(0, record.final_update - record.resumed_update)
         if result is not None:
             record.exit_codes = {rank: f.get("exitcode") for rank, f in result.get("failures", {}).items()}
+        # memory words only for a job that uses the memory tier (the launcher claims the
+        # directory for every run, used or not)
+        if any(r.get("memory_tier") for r in reports.values()):
+            self._memory_tier_used = True
+        if self._memory_tier_used and api.can_name_memory_dir(self.run_id):
+            record.memory_bytes = memory_dir.used_bytes(self.run_id)
         mirrors = {r.get("mirror") for r in reports.values() if r.get("mirror")}
         if len(mirrors) == 1:
             self._worker_mirror = mirrors.pop()

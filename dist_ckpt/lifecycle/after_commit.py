@@ -4,7 +4,7 @@ Call order: the save path hands every finished ``SaveJob`` to :meth:`AfterCommit
 (every rank, from the save thread of an asynchronous save, else the main thread), which
 releases the job's staging slot and, for a committed generation, runs in this order:
 
-1. the commit log line (rank 0);
+1. the commit log line and the launcher's report of the newest committed update (rank 0);
 2. ``local_committed`` on the replayer (every rank: its replay of this generation may start);
 3. the replay's queue (rank 0; with the memory tier only the generations the persist policy
    picks, the final one always);
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import logs
+from .. import logs, runinfo
 from ..context import Context
 from ..format.manifest import Manifest
 from ..memory.runner import MemoryTierRunner
@@ -50,6 +50,8 @@ class AfterCommit:
         if ctx.is_root_rank:
             log_commit(job, ctx.tiers.target.url if self.memory else ctx.config.root,
                        asynchronous=ctx.config.async_save)
+            # the launcher's start line counts this generation even if only memory holds it
+            runinfo.report(0, committed_update=job.request.next_update)
         if self.replayer is not None:
             self.replayer.local_committed(name)
             if ctx.is_root_rank and job.manifest_raw is not None \

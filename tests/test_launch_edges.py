@@ -1,0 +1,102 @@
+"""Issue 29, launcher items 1 to 6, without starting workers: abbreviated options, a root that
+is a file, a run that is done already, the start line's update count, memory words only with
+the memory tier, and permanent reasons in full with the launcher's fix."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dist_ckpt import CheckpointConfig, CheckpointManager
+from dist_ckpt.launcher_api import CURRENT_NAME, run_root
+from launch import agent, policy, records
+from launch.cli import main
+from launch.options import parse
+from launch.runner import Launcher
+from tests.helpers.local_jobs import make_state, step
+
+
+@pytest.mark.parametrize("abbreviated", [["--max-start", "2"], ["--backof", "1"],
+                                         ["--nproc-per-nod", "2"]])
+def test_an_abbreviated_option_is_a_usage_error(abbreviated, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["--checkpoint-root", "/r", "--standalone", *abbreviated, "train.py"])
+    assert exc.value.code == 2
+    assert abbreviated[0] in capsys.readouterr().err
+
+
+def test_a_usage_error_from_torchrun_is_permanent_with_exit_2(capsys) -> None:
+    result: dict = {}
+    assert agent._parse(["--no-such-option", "1", "train.py"], result) is None
+    assert "--no-such-option" in result["usage"]
+    assert capsys.readouterr().err.count("usage:") == 1  # torchrun's usage, printed once
+    verdict = policy.classify(run_root="/nonexistent", reports={}, result=result, agent_rc=2,
+                              stop_reason=None, mirror=None)
+    assert verdict.kind == policy.USAGE and "--no-such-option" in verdict.reason
+    assert policy.USAGE in policy.ENDS_THE_LOOP
+
+
+def test_a_checkpoint_root_that_is_a_file_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    root = tmp_path / "file"
+    root.write_text("")
+    assert main(["--checkpoint-root", str(root), "--standalone", "train.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m launch: --checkpoint-root {root} is not a directory"]
+
+
+def _done_run(launch_root: str) -> str:
+    run = run_root(launch_root, "0001")
+    os.makedirs(run)
+    with open(os.path.join(launch_root, CURRENT_NAME), "w", encoding="utf-8") as handle:
+        handle.write("0001\n")
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=run), state) as mgr:
+        step(state)
+        return mgr.finish(1).generation
+
+
+def test_a_done_run_says_so_at_once_without_starting(tmp_path, capsys) -> None:
+    generation = _done_run(str(tmp_path))
+    # the script does not exist: any start would fail its preflight; none is made
+    code = main(["--checkpoint-root", str(tmp_path), "--standalone", "missing.py"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert f"run 0001 is done: DONE for {generation}" in err and "--fresh starts a new run" in err
+    assert "start 1/" not in err and "not found" not in err
+
+
+def _launcher(tmp_path) -> Launcher:
+    return Launcher(parse(["--checkpoint-root", str(tmp_path), "--standalone", "train.py"]))
+
+
+def test_the_start_counts_the_newest_generation_of_any_tier(tmp_path) -> None:
+    launcher = _launcher(tmp_path)
+    record = records.StartRecord(run_id="0001", start=1, max_starts=3, nodes="1", procs_per_node="1")
+    reports = {0: {"rank": 0, "resumed_from": "fresh", "next_update": 0, "committed_update": 900},
+               1: {"rank": 1, "resumed_from": "fresh", "next_update": 0}}
+    launcher._describe(record, reports, None)  # the root has no generation: memory is ahead
+    assert record.final_update == 900 and record.updates == 900
+
+
+def test_memory_words_only_with_the_memory_tier(tmp_path) -> None:
+    launcher = _launcher(tmp_path)
+    off = records.StartRecord(run_id="0001", start=1, max_starts=3, nodes="1", procs_per_node="1")
+    launcher._describe(off, {0: {"rank": 0, "memory_tier": False}}, None)
+    assert off.memory_bytes is None and "memory" not in off.line()
+    assert not launcher._memory_tier_used
+    on = records.StartRecord(run_id="0001", start=2, max_starts=3, nodes="1", procs_per_node="1")
+    launcher._describe(on, {0: {"rank": 0, "memory_tier": True}}, None)
+    assert on.memory_bytes is not None and "| memory " in on.line()
+
+
+def test_a_contract_mismatch_names_fresh_and_the_summary_keeps_the_whole_reason() -> None:
+    message = ("experiment contract changed in field(s): lr; pass allow_contract_change=True "
+               "to restore anyway")
+    reason = policy.permanent_reason({0: {"rank": 0, "failure": {
+        "error": "ContractMismatch", "message": message, "permanent": True}}})
+    assert reason is not None and reason.endswith("allow_contract_change=True to restore anyway; "
+                                                  "or start a new run with --fresh")
+    record = records.StartRecord(run_id="0001", start=1, max_starts=3, nodes="1",
+                                 procs_per_node="1", classification="permanent", reason=reason)
+    assert reason in records.summary([record], "permanent: ... (exit 1)")
