@@ -229,6 +229,7 @@ class Launcher:
         self._hung = None
         self.watchdog.begin(time.monotonic())
         self.stragglers.begin()
+        announced = False
         try:
             while True:
                 try:
@@ -237,6 +238,10 @@ class Launcher:
                     pass
                 if stop is None and not self.preemption.noticed:
                     marks = api.read_marks(start_dir)
+                    if not announced and marks and all(m.count for m in marks.values()):
+                        announced = True  # every rank of this node trains: who is who
+                        records.emit("[launch] training: " + ", ".join(
+                            f"rank {rank} pid {m.pid}" for rank, m in sorted(marks.items())))
                     for line in self.stragglers.observe(marks):
                         records.emit(line)
                     hung = self.watchdog.observe(marks, time.monotonic())

@@ -17,3 +17,11 @@ echo "== phase 3: python -m launch; a worker is SIGKILLed at update 10; the laun
 .venv/bin/python -m launch --checkpoint-root "$root/launch" --backoff 2 --standalone --nproc-per-node 2 \
   scripts/train_example.py --updates 24 --save-every 4 --crash-at 10 --crash-marker "$root/launch/crashed"
 .venv/bin/dist-ckpt ls "$root/launch/runs/$(cat "$root/launch/current")"
+echo "== verify: sizes and digests of the run's newest generation (exit 1 if it is damaged)"
+.venv/bin/dist-ckpt verify "$root/launch/runs/$(cat "$root/launch/current")"
+cat <<NEXT
+== what to try next
+- a longer job under the launcher, and kill -9 one of the worker pids it prints: README, "Running a job under the launcher"
+- flip a byte in a shard under $root/launch/runs/*/gen-*/dcp/ and run dist-ckpt verify again: docs/cli.md
+- the fault-injection matrix, one table of what breaks and what survives: .venv/bin/python scripts/fault_matrix.py
+NEXT

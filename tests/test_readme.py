@@ -106,3 +106,36 @@ def test_relative_links_point_at_existing_files_and_headings() -> None:
                                             and anchor not in _anchors(full)):
                 broken.append(f"{os.path.relpath(page, REPO)} -> {target}")
     assert not broken, f"relative links to missing files or headings: {broken}"
+
+
+def _launcher_sample() -> list[str]:
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    block = text.split("What that looks like", 1)[1].split("```\n", 2)[1]
+    return block.splitlines()
+
+
+def test_the_readme_launcher_sample_is_the_launchers_own_formatting() -> None:
+    """The sample output in the README (a real run of the demo's phase 3) is what the launcher
+    prints for those starts today: the start lines and the summary are rebuilt from their
+    values with the launcher's own formatting, so a change of format fails here."""
+    from launch import records
+
+    sample = _launcher_sample()
+    starts = [
+        records.StartRecord(run_id="0001", start=1, max_starts=3, nodes="1", procs_per_node="2",
+                            world_size=2, resumed_from="fresh", resumed_update=0, final_update=8,
+                            updates=8, duration_s=9.7, classification="transient",
+                            reason="rank 1 killed by SIGKILL; rank 0 stopped by torchrun"),
+        records.StartRecord(run_id="0001", start=2, max_starts=3, nodes="1", procs_per_node="2",
+                            world_size=2, resumed_from="gen-000000000008", resumed_update=8,
+                            resumed_tier="local", final_update=24, updates=16, duration_s=13.3,
+                            classification="done",
+                            reason="DONE: gen-000000000024, 384 tokens seen"),
+    ]
+    for record in starts:
+        assert record.line() in sample
+    summary = records.summary(starts, "done: DONE: gen-000000000024, 384 tokens seen (exit 0)")
+    assert "\n".join(sample[-4:]) == summary
+    assert re.fullmatch(r"\[launch\] run 0001 \(new\) in \S+/runs/0001; stop file \S+/STOP", sample[0])
+    assert re.fullmatch(r"\[launch\] training: rank 0 pid \d+, rank 1 pid \d+", sample[1])
