@@ -9,7 +9,8 @@ nothing.
 Call order: the rank's main thread only. ``mark(update)`` at every ``save``, ``maybe_save``,
 ``finish`` and ``heartbeat``; ``section(kind, deadline_s)`` around ``save()``, ``restore()``
 and ``finish()``: the time inside is bounded by that deadline (the library's own), so a long
-save is never taken for a hang, and a rank still inside a section past its deadline is. The
+save is never taken for a hang, and a rank still inside a section past its deadline is; leaving
+a section is progress (the mark's time moves to that moment, its update stays). The
 launcher (another process) calls :func:`read_marks` whenever it likes.
 
 Layout (64 bytes, little-endian): ``seq`` u64 (odd while a write is in progress: a reader
@@ -96,7 +97,9 @@ class MarkWriter:
         try:
             yield
         finally:
-            self.section_code, self.deadline_s = 0, 0.0
+            # leaving a section is progress: the time inside was bounded by its deadline, and
+            # the next interval (a hang, a straggler) starts counting from here, not its entry
+            self.section_code, self.deadline_s, self.mark_s = 0, 0.0, time.monotonic()
             self._write()
 
     def _write(self) -> None:

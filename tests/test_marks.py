@@ -28,8 +28,10 @@ def test_a_section_carries_its_deadline_and_nested_sections_keep_the_outer(tmp_p
         outer = marks.read_marks(str(tmp_path))[0]
         with writer.section("save", 1.0):
             inner = marks.read_marks(str(tmp_path))[0]
+    left = time.monotonic()
     after = marks.read_marks(str(tmp_path))[0]
     assert outer.section == inner.section == "finish"
+    assert outer.mark_s <= after.mark_s <= left  # leaving the section is progress
     assert inner.deadline_s == outer.deadline_s >= time.monotonic() + 90
     assert after.section == "" and after.deadline_s == 0.0
 
