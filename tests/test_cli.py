@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,8 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
-from dist_ckpt.cli.app import human_bytes, main
+from dist_ckpt.cli.app import human_bytes
+from tests.helpers.cli_runs import flip_byte, private_copy, run
 
 GEN10 = "gen-000000000010"
 GEN20 = "gen-000000000020"
@@ -35,21 +35,9 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def root(template: Path, tmp_path: Path) -> Path:
     """A private copy of the two-generation root, free to corrupt."""
-    dest = tmp_path / "ckpt"
-    shutil.copytree(template, dest)
-    return dest
+    return private_copy(template, tmp_path)
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def flip_byte(path: Path, offset: int = 100) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def test_ls_lists_committed_newest_first(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_ckpt.cli.app import main
+from tests.helpers.cli_runs import flip_byte, private_copy, run
 from tests.helpers.local_jobs import make_state, step
 
 GEN1, GEN2, GEN3 = (f"gen-{n:012d}" for n in (1, 2, 3))
@@ -34,21 +34,9 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def root(template: Path, tmp_path: Path) -> Path:
     """A private copy of gen-1, gen-2 and gen-3 (latest.json -> gen-3), free to damage."""
-    dest = tmp_path / "ckpt"
-    shutil.copytree(template, dest)
-    return dest
+    return private_copy(template, tmp_path)
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def flip_byte(path: Path, offset: int = 100) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def point_latest_at(root: Path, name: str) -> None:

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, ResumableSampler, __version__
-from dist_ckpt.cli.app import FOOTNOTE, main
+from dist_ckpt.cli.app import FOOTNOTE
 from dist_ckpt.format.inventory import is_committed
 from dist_ckpt.format.manifest import MANIFEST_NAME, REASON_NAME, REJECTED_DIR
 from dist_ckpt.format.validate import Problem
 from dist_ckpt.ops.retention import change_pin, read_pins, set_pin
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.tiers.rejected import move_aside
+from tests.helpers.cli_runs import flip_byte, private_copy, run
 from tests.helpers.local_jobs import make_state, step, two_generations
 
 GEN1 = "gen-000000000001"
@@ -34,9 +35,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def root(template: Path, tmp_path: Path) -> Path:
     """A private copy of gen-1 and gen-2 (latest.json -> gen-2), free to damage."""
-    dest = tmp_path / "ckpt"
-    shutil.copytree(template, dest)
-    return dest
+    return private_copy(template, tmp_path)
 
 
 def test_is_committed(root: Path) -> None:
@@ -64,20 +63,10 @@ def sampler_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-10])
 
-
-def flip_byte(path: Path, offset: int = 100) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def entries(root: Path) -> list[str]:
