@@ -56,8 +56,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker(
                 "launcher") is not None:
             item.add_marker(pytest.mark.processes)
-    # stable: the order inside each group is the collection order
-    items.sort(key=lambda item: item.get_closest_marker("processes") is None)
+    # processes first, and among them the long ones: a worker that takes an 80 s test at the
+    # start of the session is free again long before the end (stable inside each group)
+    items.sort(key=lambda item: (item.get_closest_marker("processes") is None,
+                                 item.get_closest_marker("long") is None))
 
 
 @contextmanager

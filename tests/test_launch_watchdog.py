@@ -126,13 +126,13 @@ def test_a_straggler_is_named_and_nobody_in_a_balanced_run(tmp_path) -> None:
 
 @pytest.mark.launcher
 @pytest.mark.long(reason="two launchers as two nodes, each starting torchrun's agent and a worker "
-                         "twice, with a 20 s hang timeout and a 10 s grace between the starts")
+                         "twice, with a 10 s hang timeout and up to a 10 s grace between the starts")
 def test_two_nodes_both_detect_a_hang_on_one_node(tmp_path) -> None:
     args = ("--updates", "10", "--save-every", "2")
     launchlib.reference(str(tmp_path / "reference"), *args, "--dump-final", str(tmp_path / "reference.pt"))
     root, marker, port = str(tmp_path / "root"), tmp_path / "stopped", free_port()
     procs = [subprocess.Popen(
-        launchlib.command(root, "--run-id", "job", "--hang-timeout", "20", "--backoff", "1", nproc=1,
+        launchlib.command(root, "--run-id", "job", "--hang-timeout", "10", "--backoff", "1", nproc=1,
                           nnodes=2, rdzv_port=port, rdzv_id="hang-two-nodes", script=STALL_JOB,
                           script_args=("--sigstop-at", "5", "--sigstop-rank", "1", "--marker",
                                        str(marker), "--", *args,
