@@ -102,6 +102,7 @@ class Launcher:
                                               socket.gethostname())
         self._hung: str | None = None
         self._memory_tier_used = False  # a start's workers reported the memory tier on
+        self._start_dir: str | None = None  # the running start's directory (its notice goes there)
 
     @property
     def mirror(self) -> str | None:
@@ -227,6 +228,7 @@ class Launcher:
                                        preexec_fn=_die_with_parent)
         stop: str | None = None
         self._hung = None
+        self._start_dir = start_dir
         self.watchdog.begin(time.monotonic())
         self.stragglers.begin()
         announced = False
@@ -257,6 +259,7 @@ class Launcher:
                 self._preempt(start_dir)
         finally:
             self._agent = None
+            self._start_dir = None
 
     def _preempt(self, start_dir: str) -> None:
         step = self.preemption.step(start_dir)
@@ -307,12 +310,16 @@ class Launcher:
         return self.preemption.reason
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        # only flags: the main thread acts on them within POLL_S
+        # flags, and a preemption's notice at once (Python runs this handler on the main thread,
+        # between two steps of the poll loop): the workers save the update after the one in
+        # progress, not one a poll later; everything else is acted on within POLL_S
         if signum == signal.SIGINT and signum != self.options.preempt_signal:
             if self._signal is None:
                 self._signal = signum
         else:
             self.preemption.requested(f"{signal.Signals(signum).name} received", signal=True)
+            if self._start_dir is not None and not self.preemption.noticed:
+                self._preempt(self._start_dir)
         self._wake.set()
 
     def _sleep(self, seconds: float) -> None:

@@ -4,8 +4,9 @@ Protocol (one watch thread per rank; the main thread only at the calls that mark
 
 1. The launcher (SIGTERM, ``--preempt-signal``, the stop file) writes the notice file in each
    start's directory of its node (``runinfo.preempt_notice_path``); it signals no worker.
-2. Each rank's watch thread polls the notice file and the store key ``PREEMPT_TARGET_KEY``
-   every ``POLL_S``; either one marks the rank as ``noticed``.
+2. Each rank's watch thread polls the notice file every ``POLL_S`` (a stat) and the store key
+   ``PREEMPT_TARGET_KEY`` every ``STORE_EVERY`` polls (a round trip to the c10d server; each
+   poll once it noticed); either one marks the rank as ``noticed``.
 3. The main thread of a rank that noticed first, at its next call with ``next_update`` U
    (``save``, ``maybe_save``, ``heartbeat``), proposes U + 1 by compare-and-set (the first
    proposal wins) and waits until every rank acknowledged the target (bounded by
@@ -30,7 +31,8 @@ from ..protocol.comm import Comm
 from ..protocol.messages import PREEMPT_ACK_KEY, PREEMPT_TARGET_KEY
 
 log = logs.get(__name__)
-POLL_S = 0.1
+POLL_S = 0.02  # the notice file: a stat, so a rank learns of it within about one update
+STORE_EVERY = 5  # polls between two looks at the store (a round trip to the c10d server)
 
 
 class PreemptionWatch:
@@ -69,9 +71,12 @@ class PreemptionWatch:
 
     def _watch(self) -> None:
         assert self.notice_path is not None
+        polls = 0
         while not self._stop.wait(POLL_S):
+            polls += 1
             try:
-                if self.target is None and self.comm.store.check([PREEMPT_TARGET_KEY]):
+                if self.target is None and (self.noticed or polls % STORE_EVERY == 0) \
+                        and self.comm.store.check([PREEMPT_TARGET_KEY]):
                     self.target = int(self.comm.store_get(PREEMPT_TARGET_KEY))
                 if self.target is not None:
                     self.noticed = True
