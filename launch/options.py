@@ -83,13 +83,16 @@ def _bytes(text: str) -> int:
     return int(match.group(1)) * units[match.group(2)]
 
 
-def _seconds(name: str) -> Callable[[str], float]:
+def _seconds(name: str, *, zero_ok: bool = False) -> Callable[[str], float]:
+    """A parser of ``name``'s seconds: positive and finite, or (``zero_ok``) any value >= 0."""
     def parse_seconds(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} wants seconds, not {text!r}") from None
-        if not value > 0 or value == float("inf"):
+        if zero_ok and value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, not {value}")
+        if not zero_ok and (not value > 0 or value == float("inf")):
             raise argparse.ArgumentTypeError(f"{name} must be a positive number of seconds, not {text}")
         return value
     return parse_seconds
@@ -138,16 +141,6 @@ def _signal(text: str) -> signal.Signals:
     return chosen
 
 
-def _grace_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants seconds, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
-    return value
-
-
 def _count(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -178,7 +171,8 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preempt-signal", type=_signal, default=signal.SIGTERM, metavar="SIG",
                        help="a signal that preempts the job like SIGTERM does, e.g. USR1 for "
                             "SLURM's --signal=B:USR1@120 (default: SIGTERM only)")
-    group.add_argument("--grace", type=_grace_seconds, default=DEFAULT_GRACE_S, metavar="SECONDS",
+    group.add_argument("--grace", type=_seconds("--grace", zero_ok=True), default=DEFAULT_GRACE_S,
+                       metavar="SECONDS",
                        help="on a preemption, how long the workers may take to save before they "
                             "are killed (default 60)")
     group.add_argument("--max-no-progress", type=_count, default=DEFAULT_MAX_NO_PROGRESS, metavar="N",
