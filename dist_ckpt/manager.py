@@ -26,14 +26,13 @@ from .errors import (
     ConfigError,
     GenerationExists,
     NotAtOptimizerBoundary,
-    Preempted,
 )
 from .format.inventory import GenerationInfo, inventory
 from .format.manifest import generation_name
 from .lifecycle import finish
 from .lifecycle.after_commit import AfterCommit
 from .lifecycle.finish import FinalStep
-from .lifecycle.preemption import PreemptionWatch
+from .lifecycle.preemption import PreemptionWatch, stop_preempted
 from .lifecycle.pruning import Pruner
 from .lifecycle.replication import open_replayer
 from .memory.runner import MemoryTierRunner
@@ -207,7 +206,8 @@ class CheckpointManager:
             # the preemption's save is never skipped for a save in flight: it blocks instead
             job = self._save(next_update, tokens_seen, may_skip=not preempt)
         if preempt:
-            self._stop_preempted(next_update)
+            self.wait()  # a failed save raises its CommitError here, not Preempted
+            stop_preempted(self.ctx, self.replayer if self.memory is not None else None, next_update)
         return job
 
     def _save_bound_s(self) -> float:
@@ -284,19 +284,6 @@ class CheckpointManager:
             self.save(update, tokens_seen=tokens_seen)
         else:
             self.marks.mark(update)
-
-    def _stop_preempted(self, next_update: int) -> None:
-        """All ranks, after the save of the agreed update started: wait until it is durable on
-        the root (with the memory tier: persisted; the node's memory may not survive), then
-        stop with ``Preempted``."""
-        name = generation_name(next_update)
-        self.wait()  # a failed save raises its CommitError here, not Preempted
-        if self.memory is not None and self.replayer is not None:
-            if self.comm.rank == 0 and not self.replayer.drain(self.config.close_timeout_s):
-                log.error("%s not persisted to the root within %s s", name, self.config.close_timeout_s)
-            self.comm.barrier()  # every rank's replay stays until rank 0 published
-        runinfo.report(self.comm.rank, preempted=name, preempted_update=next_update)
-        raise Preempted(name, next_update)
 
     @reports_permanent
     def finish(self, final_update: int, *, tokens_seen: int | None = None) -> DoneRecord:

@@ -14,8 +14,8 @@ Protocol (one watch thread per rank; the main thread only at the calls that mark
    training step needs every rank), so every rank knows the target before reaching it.
 4. A watch thread that reads the target acknowledges it (``PREEMPT_ACK_KEY``) and ends.
 5. :meth:`PreemptionWatch.due` is True from the call whose ``next_update`` reaches the
-   target on: the manager saves that update whatever the cadence says, waits until it is
-   durable on the root, and raises ``Preempted``.
+   target on: the manager saves that update whatever the cadence says and waits for it;
+   :func:`stop_preempted` (all ranks) waits until it is durable on the root and raises ``Preempted``.
 
 With nothing pending, ``due`` reads one attribute: no system call, no collective.
 """
@@ -26,9 +26,13 @@ import os
 import threading
 import time
 
-from .. import logs
+from .. import logs, runinfo
+from ..context import Context
+from ..errors import Preempted
+from ..format.manifest import generation_name
 from ..protocol.comm import Comm
 from ..protocol.messages import PREEMPT_ACK_KEY, PREEMPT_TARGET_KEY
+from ..save.replay import Replayer
 
 log = logs.get(__name__)
 POLL_S = 0.02  # the notice file: a stat, so a rank learns of it within about one update
@@ -92,3 +96,17 @@ class PreemptionWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def stop_preempted(ctx: Context, persister: Replayer | None, next_update: int) -> None:
+    """All ranks, once the agreed update's save committed (the manager waited for it): with the
+    memory tier (``persister``), wait until it is persisted to the root (the node's memory may
+    not survive), then stop with ``Preempted``."""
+    name = generation_name(next_update)
+    if persister is not None:
+        timeout_s = ctx.config.close_timeout_s
+        if ctx.comm.rank == 0 and not persister.drain(timeout_s):
+            log.error("%s not persisted to the root within %s s", name, timeout_s)
+        ctx.comm.barrier()  # every rank's replay stays until rank 0 published
+    runinfo.report(ctx.comm.rank, preempted=name, preempted_update=next_update)
+    raise Preempted(name, next_update)
