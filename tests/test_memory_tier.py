@@ -18,6 +18,7 @@ from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import run_ranks
 from tests.helpers import memory_jobs
+from tests.helpers.matrix import record
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 RUN = "t0001"
@@ -85,6 +86,8 @@ def test_bit_flip_in_memory_is_repaired_from_the_root(saved) -> None:
     assert os.path.isfile(os.path.join(kept, shard))
     validate(LocalStore(trained["memory_root"]), newest)
     assert equal(ranks[0]["full"], trained["full"])
+    record("damaged file, good copy elsewhere", observed=f"bitflip in in-memory {shard} of {newest}, "
+           f"2 ranks: {ranks[0]['repair_summary']}; restored {newest} from memory")
 
 
 def flip_largest_shard(generation_dir: str) -> str:
