@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from dist_ckpt import CheckpointConfig, CheckpointManager
 from dist_ckpt.format.manifest import REASON_NAME, REJECTED_DIR, generation_name
 from dist_ckpt.format.validate import read_manifest, validate
 from dist_ckpt.tiers import open_tier
-from tests.faults.test_corruption import damage
+from tests.helpers.cli_runs import flip_byte
 from tests.helpers.local_jobs import assert_same_model, make_state, step
 from tests.helpers.matrix import record, timed
 
@@ -44,6 +45,10 @@ def quarantined(root: str) -> list[str]:
     return sorted(os.listdir(rejected)) if os.path.isdir(rejected) else []
 
 
+def damage(path: str) -> None:
+    flip_byte(Path(path), os.path.getsize(path) // 2)  # sizes still match: only a digest finds it
+
+
 def flip_in_mirror(mirror: str, generation: str, path: str) -> None:
     store = open_tier(mirror).store
     rel = f"{generation}/{read_manifest(store, generation).location(path)}"
@@ -60,7 +65,7 @@ def test_damaged_shard_is_repaired_from_the_mirror(tmp_path, s3_root: str, how: 
     if how == "missing":
         os.unlink(target)
     else:
-        damage(target, "bitflip")
+        damage(target)
     (result, loaded), recover_s = timed(lambda: restore(root, s3_root))
     assert result.generation == GEN2 and result.tier == "local"  # the root, whole again
     assert result.rejected == []
@@ -86,7 +91,7 @@ def test_damaged_metadata_is_repaired_at_selection(tmp_path, s3_root: str) -> No
     """.metadata is hashed at selection (the shards by the load): both paths repair."""
     root = str(tmp_path / "root")
     saved_with_mirror(root, s3_root)
-    damage(os.path.join(root, GEN2, "dcp/.metadata"), "bitflip")
+    damage(os.path.join(root, GEN2, "dcp/.metadata"))
     result, _ = restore(root, s3_root)
     assert result.generation == GEN2 and result.tier == "local"
     assert [(r.path, r.source) for r in result.repaired] == [("dcp/.metadata", "mirror")]
@@ -95,7 +100,7 @@ def test_damaged_metadata_is_repaired_at_selection(tmp_path, s3_root: str) -> No
 def test_no_good_copy_falls_back(tmp_path, s3_root: str) -> None:
     root = str(tmp_path / "root")
     saved_with_mirror(root, s3_root)
-    damage(os.path.join(root, GEN2, SHARD), "bitflip")
+    damage(os.path.join(root, GEN2, SHARD))
     flip_in_mirror(s3_root, GEN2, SHARD)
     result, _ = restore(root, s3_root)
     assert result.generation == GEN1 and result.repaired == []
@@ -117,7 +122,7 @@ def test_a_resaved_copy_is_not_a_source(tmp_path, s3_root: str) -> None:
     theirs = read_manifest(open_tier(s3_root).store, GEN2)
     assert ours.identity() != theirs.identity()
     assert ours.file(SHARD) == theirs.file(SHARD)  # a digest check alone would accept it
-    damage(os.path.join(root, GEN2, SHARD), "bitflip")
+    damage(os.path.join(root, GEN2, SHARD))
     result, loaded = restore(root, s3_root)
     assert result.repaired == []
     assert result.generation == GEN2 and result.tier == "object store"
