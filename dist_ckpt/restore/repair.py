@@ -116,6 +116,8 @@ class Repairer:
         """A holder of ``tier``'s copy: ("repaired", source, kept), ("intact"|"absent", None,
         None) or ("failed", why, None). Never raises: every holder reaches the all-gather."""
         try:
+            if not tier.store.exists(f"{generation}/{MANIFEST_NAME}"):
+                return "absent", None, None  # a node-local copy this node never got
             manifest = read_manifest(tier.store, generation, key=self.key)
         except (DistCkptError, OSError) as exc:
             return "failed", f"its manifest is unreadable ({exc})", None
