@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from .. import logs
+from ..errors import UnsafeFileError
 from ..format.manifest import (
     REASON_NAME,
     REJECTED_DIR,
@@ -49,6 +50,12 @@ def replace_file(root: str, generation: str, rel: str, fresh: str, reason: str) 
     filesystem), moving the file it replaces aside first; returns the entry that holds the
     damaged copy, or None when there was none (a missing file)."""
     target = os.path.join(root, generation, rel)
+    directory = os.path.join(root, generation)
+    for part in [""] + rel.split("/")[:-1]:  # never written through a link out of the root
+        directory = os.path.join(directory, part) if part else directory
+        if os.path.islink(directory):
+            raise UnsafeFileError(f"{generation}: {directory} is a symbolic link; {rel} not replaced",
+                                  generation=generation, path=rel)
     kept = None
     if os.path.lexists(target):
         rejected_dir = os.path.join(root, REJECTED_DIR)

@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
+from dist_ckpt.errors import UnsafeFileError
 from dist_ckpt.format.manifest import REASON_NAME, REJECTED_DIR, generation_name
 from dist_ckpt.format.validate import read_manifest, validate
 from dist_ckpt.tiers import open_tier
+from dist_ckpt.tiers.base import FileRepairs
+from dist_ckpt.tiers.rejected import replace_file
 from tests.helpers.cli_runs import flip_byte
 from tests.helpers.local_jobs import assert_same_model, make_state, step
 from tests.helpers.matrix import record, timed
@@ -128,3 +131,27 @@ def test_a_resaved_copy_is_not_a_source(tmp_path, s3_root: str) -> None:
     assert result.generation == GEN2 and result.tier == "object store"
     assert result.next_update == 2 and result.tokens_seen != 12345
     assert_same_model(loaded, first)
+
+
+def test_replace_file_keeps_the_damaged_copy_and_never_follows_a_link(tmp_path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / GEN2 / "dcp").mkdir(parents=True)
+    outside.mkdir()
+    (root / GEN2 / "dcp" / "a").write_bytes(b"damaged")
+    fresh = tmp_path / "root" / "fresh"
+    fresh.write_bytes(b"good")
+    kept = replace_file(str(root), GEN2, "dcp/a", str(fresh), "digest differs")
+    assert (root / GEN2 / "dcp" / "a").read_bytes() == b"good"
+    assert kept is not None and os.path.basename(kept).startswith(f"{GEN2}-files-")
+    assert (Path(kept) / "dcp" / "a").read_bytes() == b"damaged"
+    assert "digest differs" in (Path(kept) / REASON_NAME).read_text()
+    (root / GEN2 / "state").symlink_to(outside)  # a hostile root: state/ leads out of it
+    fresh.write_bytes(b"good")
+    with pytest.raises(UnsafeFileError):
+        replace_file(str(root), GEN2, "state/b", str(fresh), "missing")
+    assert os.listdir(outside) == []
+
+
+def test_which_tiers_repair_in_place(tmp_path, s3_root: str) -> None:
+    assert isinstance(open_tier(str(tmp_path)), FileRepairs)  # and the memory tier, a rename tier
+    assert not isinstance(open_tier(s3_root), FileRepairs)
