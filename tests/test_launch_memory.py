@@ -63,18 +63,19 @@ def _newest_start_resumed(root: str) -> list[str]:
     return [str(r.get("resumed_tier")) for r in reports if "resumed_from" in r]
 
 
-def test_two_jobs_on_one_host_each_own_a_directory_and_a_stop_persists_memory(tmp_path) -> None:
+def test_two_jobs_on_one_host_each_own_a_directory_and_giving_up_persists_memory(tmp_path) -> None:
     """Two launchers on one host, both run 0001, different roots, one shared-memory base. The
-    short job (one rank) launcher's removes only its own directory; a worker of the long job SIGKILLed
-    after that still resumes from memory. Stopped, the long job's launcher persists its newest
-    in-memory generation (nothing reached the root: persist_every 1000) before removing it."""
+    short job's launcher (one rank) removes only its own directory; a worker of the long job SIGKILLed
+    after that still resumes from memory. When its last start fails too, the long job's launcher
+    gives up and persists its newest in-memory generation (nothing reached the root:
+    persist_every 1000) before removing it."""
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     env = dict(launchlib.env(), **{shm.SHM_DIR_ENV: str(shm_dir)})
     long_root, short_root = str(tmp_path / "long"), str(tmp_path / "short")
     log = open(tmp_path / "long.log", "w+")
     proc = subprocess.Popen(
-        launchlib.command(long_root, "--backoff", "0.5", script=SLOW, script_args=(
+        launchlib.command(long_root, "--backoff", "0.5", "--max-starts", "2", script=SLOW, script_args=(
             "0.2", "--memory-tier", "--updates", "1000000", "--save-every", "1", "--persist-every", "1000")),
         cwd=launchlib.REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -96,14 +97,14 @@ def test_two_jobs_on_one_host_each_own_a_directory_and_a_stop_persists_memory(tm
         launchlib.wait_for(lambda: len(launchlib.read_log(long_root)) == 1, 60, "the start to end")
         launchlib.wait_for(lambda: _newest_start_resumed(long_root) == ["memory", "memory"], 120,
                            "both ranks to resume from memory")
-        proc.send_signal(signal.SIGINT)
+        os.kill(launchlib.worker_pids(long_root)[1], signal.SIGKILL)  # the last start fails too
         proc.wait(timeout=120)
     finally:
         proc.kill()
     log.seek(0)
     output = log.read()
-    assert proc.returncode == 4, output[-3000:]  # stopped
-    assert launchlib.read_log(long_root)[0]["classification"] == "transient"
+    assert proc.returncode == 3, output[-3000:]  # gave up
+    assert [s["classification"] for s in launchlib.read_log(long_root)] == ["transient"] * 2
     last = output.strip().splitlines()[-1]
     prefix, _, rest = last.partition(" from memory to ")
     assert prefix.startswith("[launch] persisted gen-"), output[-3000:]
