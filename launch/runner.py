@@ -125,9 +125,11 @@ class Launcher:
         try:
             return self._loop()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self._leave_memory()
+            try:  # under the launcher's own handlers: a signal now cannot cut the persist short
+                self._leave_memory()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     def _claim_memory(self) -> memory_dir.Owned | None:
         """The node's shared memory for the memory tier (:mod:`launch.memory_dir`): first remove what
