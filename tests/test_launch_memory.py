@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dist_ckpt.format.validate import list_generations, validate
-from dist_ckpt.launcher_api import STARTS_DIR
+from dist_ckpt.launcher_api import CURRENT_NAME, STARTS_DIR
 from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalStore
 from launch import memory_dir
@@ -79,10 +79,13 @@ def test_two_jobs_on_one_host_each_own_a_directory_and_giving_up_persists_memory
             "0.2", "--memory-tier", "--updates", "1000000", "--save-every", "1", "--persist-every", "1000")),
         cwd=launchlib.REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        launchlib.wait_for(lambda: launchlib.workers_training(long_root, 2), 120, "both ranks to start")
+        def claimed() -> bool:
+            return os.path.exists(os.path.join(long_root, CURRENT_NAME)) and os.path.exists(
+                os.path.join(shm.run_dir("0001", run_dir(long_root), str(shm_dir)), memory_dir.OWNER_NAME))
+
+        launchlib.wait_for(claimed, 60, "the long job's launcher to own its directory")
         long_dir = shm.run_dir("0001", run_dir(long_root), str(shm_dir))
-        launchlib.wait_for(lambda: any(d.startswith("gen-") for _, dirs, _ in os.walk(long_dir)
-                                       for d in dirs), 60, "an in-memory generation")
+        # while the long job's workers start: the short job runs to DONE and ends
         short = subprocess.run(launchlib.command(short_root, nproc=1, script_args=(
             "--memory-tier", "--updates", "2", "--save-every", "1")), cwd=launchlib.REPO, env=env,
             capture_output=True, text=True, timeout=240)
@@ -91,6 +94,8 @@ def test_two_jobs_on_one_host_each_own_a_directory_and_giving_up_persists_memory
         assert short_dir != long_dir
         assert short.stderr.strip().splitlines()[-1] == f"[launch] removed in-memory checkpoints {short_dir}"
         assert os.listdir(shm_dir) == [os.path.basename(long_dir)], "the long job's is untouched"
+        launchlib.wait_for(lambda: any(d.startswith("gen-") for _, dirs, _ in os.walk(long_dir)
+                                       for d in dirs), 120, "an in-memory generation")
         owner = json.load(open(os.path.join(long_dir, memory_dir.OWNER_NAME)))
         assert owner["pid"] == proc.pid and owner["root"] == run_dir(long_root)
         os.kill(launchlib.worker_pids(long_root)[1], signal.SIGKILL)
