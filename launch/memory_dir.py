@@ -160,7 +160,10 @@ def claim(run_id: str, root: str, base: str | None = None) -> Owned:
     directory = memory_dir(run_id, root, base)
     for _ in range(3):  # a directory renamed away under us is claimed afresh
         os.makedirs(directory, exist_ok=True)
-        fd = _lock(directory)
+        try:
+            fd = _lock(directory)
+        except FileNotFoundError:
+            continue  # renamed away between the two calls
         if fd is None:
             raise OwnedElsewhere(f"{directory} is owned by {describe_owner(directory)}")
         if not _same_file(fd, os.path.join(directory, LOCK_NAME)):
