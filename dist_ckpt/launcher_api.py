@@ -159,7 +159,7 @@ def persist_memory(memory_dir: str, run_root: str, *, nodes: int = 1) -> Persist
     """Before the launcher removes ``memory_dir``: its committed generation of ``run_root``
     newer than the root's newest, persisted there (verified copy, the usual publish); None when
     memory holds nothing newer. ``nodes``: the job's node count (above 1, this node brings
-    its part)."""
+    its part). Only the memory of ``run_root`` (the root the launcher exports) is looked at."""
     return _persist_memory(os.path.join(memory_dir, root_digest(run_root)), run_root, nodes=nodes)
 
 
