@@ -173,7 +173,8 @@ class CheckpointConfig(BaseModel):
     memory_tier: bool = Field(
         default=False,
         description="Commit every save to the memory tier first: each node's shared memory "
-                    "(`/dev/shm/dist_ckpt-<run id>/`, owned by `python -m launch`, whose run id it needs), "
+                    "(`/dev/shm/dist_ckpt-<run id>-<root digest>/`, owned by `python -m launch`, "
+                    "whose run id it needs), "
                     "so a restarted worker resumes without reading storage; `root` receives every "
                     "`persist_every`-th generation (and the final one) in the background "
                     "(docs/memory-tier.md). Not combinable with `mirror` yet.")

@@ -19,7 +19,8 @@ Call order (the launcher's main thread, one launcher per node):
 
 1. at launch: :func:`run_root` (where the chosen run lives), :func:`holds_generations` (a
    pre-launcher root), :func:`atomic_write` (``current``); the memory directory:
-   :func:`memory_base_dir`, :func:`can_name_memory_dir`, :func:`memory_dir`;
+   :func:`memory_base_dir`, :func:`can_name_memory_dir`, :func:`memory_dir` (its name for the
+   job; the workers learn it from ``MEMORY_DIR_ENV``);
 2. before each start: :func:`newest_generation_bytes` and :func:`free_bytes` (the free-space
    preflight), :func:`check_mirror` (a configured mirror answers); the environment of the
    workers: ``ROOT_ENV``, ``RUN_ID_ENV``, ``LAUNCH_DIR_ENV``, ``MIRROR_ENV`` (:func:`mirror_run_url`);
@@ -29,7 +30,9 @@ Call order (the launcher's main thread, one launcher per node):
    save, then exit with ``PREEMPTED_EXIT``);
 4. after each start: :func:`read_reports` (what each rank wrote through ``dist_ckpt.runinfo``),
    :func:`find_done` (did the run finish), :func:`latest_update` and :func:`latest_generation`
-   (how far it got).
+   (how far it got);
+5. when it is about to exit, before removing the memory directory: :func:`persist_memory`
+   (a committed in-memory generation newer than the root's goes to the root first).
 
 ``dist-ckpt plan`` and ``dist-ckpt runs`` call :func:`launch_log_dirs` to find the launcher's log
 for a checkpoint root; ``RUNS_COMMAND`` is the latter's name (spelled here: it is the layout's
@@ -47,8 +50,11 @@ from .errors import PREEMPTED_EXIT, DistCkptError
 from .format.manifest import parse_generation, read_latest_name
 from .format.validate import read_manifest
 from .marks import Mark, read_marks
+from .memory.breakpoint import Persisted
+from .memory.breakpoint import persist_memory as _persist_memory
+from .memory.paths import MEMORY_DIR_ENV, SHM_DIR_ENV, root_digest
 from .memory.paths import PREFIX as MEMORY_DIR_PREFIX
-from .memory.paths import SHM_DIR_ENV
+from .memory.paths import REMOVING_PREFIX as MEMORY_REMOVING_PREFIX
 from .memory.paths import base_dir as memory_base_dir
 from .memory.paths import run_dir as memory_dir
 from .memory.paths import valid_run_id as can_name_memory_dir
@@ -66,13 +72,15 @@ from .storage.base import open_store, parent_url
 from .storage.local import atomic_write, free_bytes
 
 __all__ = [
-    "CURRENT_NAME", "LAUNCH_DIR_ENV", "LAUNCH_LOG_NAME", "LEGACY_RUN_ID", "MEMORY_DIR_PREFIX",
-    "MIRROR_ENV", "PREEMPTED_EXIT", "PREEMPT_NOTICE_NAME", "ROOT_ENV", "RUNS_COMMAND", "RUNS_DIR",
-    "RUN_ID_ENV", "SHM_DIR_ENV", "STARTS_DIR", "STOP_NAME",
-    "DoneRecord", "Mark", "WorkerReport", "atomic_write", "can_name_memory_dir", "check_mirror",
-    "find_done", "free_bytes", "holds_generations", "latest_generation", "latest_update",
-    "launch_log_dirs", "memory_base_dir", "memory_dir", "mirror_run_url", "newest_generation_bytes",
-    "read_marks", "read_report", "read_reports", "run_root",
+    "CURRENT_NAME", "LAUNCH_DIR_ENV", "LAUNCH_LOG_NAME", "LEGACY_RUN_ID", "MEMORY_DIR_ENV",
+    "MEMORY_DIR_PREFIX", "MEMORY_REMOVING_PREFIX", "MIRROR_ENV", "PREEMPTED_EXIT",
+    "PREEMPT_NOTICE_NAME", "ROOT_ENV", "RUNS_COMMAND", "RUNS_DIR", "RUN_ID_ENV", "SHM_DIR_ENV",
+    "STARTS_DIR", "STOP_NAME",
+    "DoneRecord", "Mark", "Persisted", "WorkerReport", "atomic_write", "can_name_memory_dir",
+    "check_mirror", "find_done", "free_bytes", "holds_generations", "latest_generation",
+    "latest_update", "launch_log_dirs", "memory_base_dir", "memory_dir", "mirror_run_url",
+    "newest_generation_bytes", "persist_memory", "read_marks", "read_report", "read_reports",
+    "run_root",
 ]
 
 # ---- the layout -------------------------------------------------------------------------
@@ -144,6 +152,15 @@ def find_done(roots: Iterable[str], *, contract_digest: str | None,
         if record is not None:
             return record
     return None
+
+
+# ---- the launcher's exit ------------------------------------------------------------------
+def persist_memory(memory_dir: str, run_root: str, *, nodes: int = 1) -> Persisted | None:
+    """Before the launcher removes ``memory_dir``: its committed generation of ``run_root``
+    newer than the root's newest, persisted there (verified copy, the usual publish); None when
+    memory holds nothing newer. ``nodes``: the job's node count (above 1, this node brings
+    its part). Only the memory of ``run_root`` (the root the launcher exports) is looked at."""
+    return _persist_memory(os.path.join(memory_dir, root_digest(run_root)), run_root, nodes=nodes)
 
 
 # ---- health before a start ----------------------------------------------------------------

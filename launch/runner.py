@@ -103,6 +103,7 @@ class Launcher:
         self._hung: str | None = None
         self._memory_tier_used = False  # a start's workers reported the memory tier on
         self._start_dir: str | None = None  # the running start's directory (its notice goes there)
+        self._memory: memory_dir.Owned | None = None  # the node's memory directory, while owned
 
     @property
     def mirror(self) -> str | None:
@@ -120,19 +121,20 @@ class Launcher:
                                 f"({done.tokens_seen} tokens seen); --fresh starts a new run", EXIT_OK)
         handled = {signal.SIGTERM, signal.SIGINT, self.options.preempt_signal}
         previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
-        memory = self._claim_memory()
+        self._memory = self._claim_memory()
         try:
             return self._loop()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if memory is not None and memory_dir.remove_run(self.run_id) and self._memory_tier_used:
-                records.emit(f"[launch] removed in-memory checkpoints {memory}")
+            try:  # under the launcher's own handlers: a signal now cannot cut the persist short
+                self._leave_memory()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
-    def _claim_memory(self) -> str | None:
+    def _claim_memory(self) -> memory_dir.Owned | None:
         """The node's shared memory for the memory tier (:mod:`launch.memory_dir`): first remove what
-        dead launchers left (this run's own directory too: its launcher is gone, so are the
-        bytes' guarantees), then own this run's directory until the launcher stops."""
+        dead launchers left (this job's own directory too: its launcher is gone, so are the
+        bytes' guarantees), then own this job's directory until the launcher stops."""
         for stale in memory_dir.remove_stale():
             records.emit(f"[launch] removed stale in-memory checkpoints {stale}")
         if not api.can_name_memory_dir(self.run_id):
@@ -140,10 +142,28 @@ class Launcher:
                          "no memory tier for this run")
             return None
         try:
-            return memory_dir.claim(self.run_id)
-        except OSError as exc:
-            records.emit(f"[launch] cannot create the in-memory checkpoint directory: {exc}")
+            return memory_dir.claim(self.run_id, self.run_dir)
+        except OSError as exc:  # OwnedElsewhere included: a live owner is never overwritten
+            records.emit(f"[launch] cannot own the in-memory checkpoint directory: {exc}; no "
+                         "memory tier for this run")
             return None
+
+    def _leave_memory(self) -> None:
+        """Persist at breakpoint, then remove the memory directory: a committed in-memory
+        generation newer than the root's goes to the root first (``api.persist_memory``)."""
+        if self._memory is None:
+            return
+        directory = self._memory.path
+        try:
+            persisted = api.persist_memory(directory, self.run_dir, nodes=_max_nodes(
+                self.options.torchrun.nnodes))
+        except Exception as exc:  # noqa: BLE001 - the directory is removed all the same; say why
+            persisted = api.Persisted(None, f"persisting from memory failed: {exc}")
+        removed = self._memory.remove()
+        self._memory = None
+        line = exit_line(persisted, directory, removed=removed, used=self._memory_tier_used)
+        if line is not None:
+            records.emit(line)
 
     def _loop(self) -> int:
         opts = self.options
@@ -220,7 +240,9 @@ class Launcher:
     def _run_agent(self, start_dir: str, result_path: str) -> tuple[int | None, str | None]:
         env = dict(os.environ)
         env.update({api.ROOT_ENV: self.run_dir, api.RUN_ID_ENV: self.run_id,
-                    api.LAUNCH_DIR_ENV: start_dir})
+                    api.LAUNCH_DIR_ENV: start_dir,
+                    # empty: this launcher owns no memory directory; a memory-tier worker says so
+                    api.MEMORY_DIR_ENV: self._memory.path if self._memory is not None else ""})
         if self.mirror:
             env[api.MIRROR_ENV] = self.mirror
         command = [sys.executable, "-m", "launch.agent", result_path, *self.options.torchrun_argv]
@@ -294,8 +316,8 @@ class Launcher:
         # directory for every run, used or not)
         if any(r.get("memory_tier") for r in reports.values()):
             self._memory_tier_used = True
-        if self._memory_tier_used and api.can_name_memory_dir(self.run_id):
-            record.memory_bytes = memory_dir.used_bytes(self.run_id)
+        if self._memory_tier_used:
+            record.memory_bytes = self._memory.used_bytes() if self._memory is not None else 0
         mirrors = {r.get("mirror") for r in reports.values() if r.get("mirror")}
         if len(mirrors) == 1:
             self._worker_mirror = mirrors.pop()
@@ -331,6 +353,24 @@ class Launcher:
                 return
             self._wake.wait(min(POLL_S, remaining))
 
+
+def _max_nodes(nnodes: object) -> int:
+    """torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``): the most nodes the job may span."""
+    try:
+        return max(int(part) for part in str(nnodes).split(":"))
+    except ValueError:
+        return 1
+
+
+def exit_line(persisted: api.Persisted | None, directory: str, *, removed: bool,
+              used: bool) -> str | None:
+    """The launcher's last line about its memory directory; None when there is nothing to say
+    (a job that never used the memory tier, and nothing persisted)."""
+    if persisted is None:
+        return f"[launch] removed in-memory checkpoints {directory}" if removed and used else None
+    if persisted.generation is not None or not persisted.complete:
+        return f"[launch] {persisted.message} before removing in-memory checkpoints {directory}"
+    return f"[launch] {persisted.message}; removed in-memory checkpoints {directory}"
 
 
 def end_start(agent: subprocess.Popen, worker_pids: set[int] | frozenset[int] = frozenset(),

@@ -1,6 +1,7 @@
 """Issue 29, launcher items 1 to 6, without starting workers: abbreviated options, a root that
 is a file, a run that is done already, the start line's update count, memory words only with
-the memory tier, and permanent reasons in full with the launcher's fix."""
+the memory tier, and permanent reasons in full with the launcher's fix. Issue 27, item 6: the
+launcher's last line when it persists memory at breakpoint, or refuses a damaged generation."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import os
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
-from dist_ckpt.launcher_api import CURRENT_NAME, run_root
-from launch import agent, policy, records
+from dist_ckpt.launcher_api import CURRENT_NAME, latest_generation, run_root
+from dist_ckpt.memory.paths import root_digest
+from launch import agent, memory_dir, policy, records
 from launch.cli import main
 from launch.options import parse
 from launch.runner import Launcher
+from tests.helpers.handmade import flip_byte, write_generation
 from tests.helpers.local_jobs import make_state, step
 
 
@@ -113,3 +116,29 @@ def test_a_contract_mismatch_names_fresh_and_the_summary_keeps_the_whole_reason(
     record = records.StartRecord(run_id="0001", start=1, max_starts=3, nodes="1",
                                  procs_per_node="1", classification="permanent", reason=reason)
     assert reason in records.summary([record], "permanent: ... (exit 1)")
+
+
+def test_the_last_line_says_what_was_persisted_from_memory(tmp_path, capsys) -> None:
+    """The launcher about to exit, its memory ahead of the root: persisted, then removed; a
+    damaged generation is not persisted and the line says why."""
+    launcher = _launcher(tmp_path)
+    launcher._memory_tier_used = True
+    for update, damaged in ((3, False), (5, True)):
+        launcher._memory = memory_dir.claim(launcher.run_id, launcher.run_dir)
+        memory = os.path.join(launcher._memory.path, root_digest(launcher.run_dir))
+        name = write_generation(memory, update).generation
+        if damaged:
+            flip_byte(memory, name, "dcp/__0_0.distcp")
+        directory = launcher._memory.path
+        launcher._leave_memory()
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert not os.path.exists(directory)
+        if not damaged:
+            assert last == (f"[launch] persisted {name} from memory to {launcher.run_dir} before "
+                            f"removing in-memory checkpoints {directory}")
+            assert latest_generation(launcher.run_dir) == name
+        else:
+            assert last.startswith(f"[launch] {name} not persisted: {name}: file dcp/__0_0.distcp "
+                                   "does not match its manifest entry")
+            assert last.endswith(f"; removed in-memory checkpoints {directory}")
+            assert latest_generation(launcher.run_dir) == "gen-000000000003"

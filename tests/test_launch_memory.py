@@ -1,6 +1,8 @@
 """The launcher and the memory tier: a SIGKILLed worker resumes from memory (no generation on
 disk yet) and finishes bitwise equal to an uninterrupted run; nothing of a run stays in shared
-memory after DONE, or after a killed launcher once the next one started."""
+memory after DONE; two jobs on one host each own their directory (issue 27, item 5), and a
+stopped launcher persists memory's newest generation to the root before removing it (item 6).
+The sweep of dead launchers' directories: tests/test_memory_owner.py."""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import uuid
 
 import pytest
 import torch
 
-from dist_ckpt.format.validate import list_generations
+from dist_ckpt.format.validate import list_generations, validate
+from dist_ckpt.launcher_api import CURRENT_NAME, STARTS_DIR
 from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalStore
 from launch import memory_dir
@@ -22,6 +24,7 @@ from tests.helpers import launchlib
 from tests.helpers.launchlib import launch, run_dir
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
+SLOW = os.path.join(launchlib.REPO, "tests", "helpers", "slow_example.py")  # leaves the CPU to the other job
 MEMORY = ("--memory-tier", "--persist-every", "100", "--updates", "12", "--save-every", "1")
 
 
@@ -48,56 +51,70 @@ def test_sigkilled_worker_resumes_from_memory_bitwise(tmp_path) -> None:
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     assert expected.keys() == final.keys() and len(final) > 4
     assert all(torch.equal(expected[k], final[k]) for k in expected), "resumed run diverged"
-    assert not os.path.exists(shm.run_dir(run_id, shm.base_dir()))  # removed at DONE
+    assert not os.path.exists(shm.run_dir(run_id, run_dir(root)))  # removed at DONE
 
 
-def test_killed_launcher_memory_is_removed_by_the_next_start(tmp_path) -> None:
+def _newest_start_resumed(root: str) -> list[str]:
+    """The tiers the ranks of the current start resumed from, once every rank reported."""
+    launch_dir = os.path.join(run_dir(root), STARTS_DIR)
+    newest = os.path.join(launch_dir, sorted(os.listdir(launch_dir))[-1])
+    reports = [json.load(open(os.path.join(newest, name))) for name in os.listdir(newest)
+               if name.startswith("rank-")]
+    return [str(r.get("resumed_tier")) for r in reports if "resumed_from" in r]
+
+
+def test_two_jobs_on_one_host_each_own_a_directory_and_giving_up_persists_memory(tmp_path) -> None:
+    """Two launchers on one host, both run 0001, different roots, one shared-memory base. The
+    short job's launcher (one rank) removes only its own directory; a worker of the long job SIGKILLed
+    after that still resumes from memory. When its last start fails too, the long job's launcher
+    gives up and persists its newest in-memory generation (nothing reached the root:
+    persist_every 1000) before removing it."""
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     env = dict(launchlib.env(), **{shm.SHM_DIR_ENV: str(shm_dir)})
-    root = str(tmp_path / "root")
+    long_root, short_root = str(tmp_path / "long"), str(tmp_path / "short")
+    log = open(tmp_path / "long.log", "w+")
     proc = subprocess.Popen(
-        launchlib.command(root, "--run-id", "killed", script_args=(
-            "--memory-tier", "--updates", "1000000", "--save-every", "1", "--persist-every", "1000")),
-        cwd=launchlib.REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    killed = shm.run_dir("killed", str(shm_dir))
+        launchlib.command(long_root, "--backoff", "0.5", "--max-starts", "2", script=SLOW, script_args=(
+            "0.2", "--memory-tier", "--updates", "1000000", "--save-every", "1", "--persist-every", "1000")),
+        cwd=launchlib.REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        launchlib.wait_for(lambda: launchlib.workers_training(root, 2), 120, "both ranks to start")
-        launchlib.wait_for(lambda: any(d.startswith("gen-") for _, dirs, _ in os.walk(killed)
-                                       for d in dirs), 60, "an in-memory generation")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        def claimed() -> bool:
+            return os.path.exists(os.path.join(long_root, CURRENT_NAME)) and os.path.exists(
+                os.path.join(shm.run_dir("0001", run_dir(long_root), str(shm_dir)), memory_dir.OWNER_NAME))
+
+        launchlib.wait_for(claimed, 60, "the long job's launcher to own its directory")
+        long_dir = shm.run_dir("0001", run_dir(long_root), str(shm_dir))
+        # while the long job's workers start: the short job runs to DONE and ends
+        short = subprocess.run(launchlib.command(short_root, nproc=1, script_args=(
+            "--memory-tier", "--updates", "2", "--save-every", "1")), cwd=launchlib.REPO, env=env,
+            capture_output=True, text=True, timeout=240)
+        assert short.returncode == 0, short.stderr[-3000:]
+        short_dir = shm.run_dir("0001", run_dir(short_root), str(shm_dir))
+        assert short_dir != long_dir
+        assert short.stderr.strip().splitlines()[-1] == f"[launch] removed in-memory checkpoints {short_dir}"
+        assert os.listdir(shm_dir) == [os.path.basename(long_dir)], "the long job's is untouched"
+        launchlib.wait_for(lambda: any(d.startswith("gen-") for _, dirs, _ in os.walk(long_dir)
+                                       for d in dirs), 120, "an in-memory generation")
+        owner = json.load(open(os.path.join(long_dir, memory_dir.OWNER_NAME)))
+        assert owner["pid"] == proc.pid and owner["root"] == run_dir(long_root)
+        os.kill(launchlib.worker_pids(long_root)[1], signal.SIGKILL)
+        launchlib.wait_for(lambda: len(launchlib.read_log(long_root)) == 1, 60, "the start to end")
+        launchlib.wait_for(lambda: _newest_start_resumed(long_root) == ["memory", "memory"], 120,
+                           "both ranks to resume from memory")
+        os.kill(launchlib.worker_pids(long_root)[1], signal.SIGKILL)  # the last start fails too
+        proc.wait(timeout=120)
     finally:
         proc.kill()
-    pids = list(launchlib.worker_pids(root).values())
-    launchlib.wait_for(lambda: launchlib.all_exited(pids), 60, "the orphaned workers to exit")
-    assert os.path.isdir(killed) and memory_dir.stale_reason(killed) is not None
-    after = subprocess.run(launchlib.command(str(tmp_path / "next"), "--run-id", "next", script_args=(
-        "--memory-tier", "--updates", "2", "--save-every", "1")), cwd=launchlib.REPO, env=env,
-        capture_output=True, text=True, timeout=240)
-    assert after.returncode == 0, after.stderr[-3000:]
-    assert f"removed stale in-memory checkpoints {killed}" in after.stderr
-    assert os.listdir(shm_dir) == [], "no directory of either run remains"
-
-
-def test_stale_detection_only_removes_provably_dead_owners(tmp_path) -> None:
-    base = str(tmp_path)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    gone_pid = int(dead.stdout)
-    for run, owner in (("dead", {"pid": gone_pid}), ("alive", {"pid": os.getpid()}),
-                       ("elsewhere", {"pid": gone_pid, "host": "another-host"})):
-        directory = memory_dir.claim(run, base)
-        record = json.load(open(os.path.join(directory, memory_dir.OWNER_NAME)))
-        record.update(owner)
-        with open(os.path.join(directory, memory_dir.OWNER_NAME), "w") as handle:
-            json.dump(record, handle)
-    os.makedirs(os.path.join(base, f"{shm.PREFIX}ownerless"))
-    os.makedirs(os.path.join(base, "unrelated"))
-    assert memory_dir.remove_stale(base) == [shm.run_dir("dead", base)]
-    assert sorted(os.listdir(base)) == sorted(f"{shm.PREFIX}{n}" for n in
-                                              ("alive", "elsewhere", "ownerless")) + ["unrelated"]
-    with open(os.path.join(shm.run_dir("alive", base), "blob"), "wb") as handle:
-        handle.write(b"x" * 1000)
-    assert memory_dir.used_bytes("alive", base) >= 1000
-    assert memory_dir.remove_run("alive", base) and not os.path.exists(shm.run_dir("alive", base))
+    log.seek(0)
+    output = log.read()
+    assert proc.returncode == 3, output[-3000:]  # gave up
+    assert [s["classification"] for s in launchlib.read_log(long_root)] == ["transient"] * 2
+    last = output.strip().splitlines()[-1]
+    prefix, _, rest = last.partition(" from memory to ")
+    assert prefix.startswith("[launch] persisted gen-"), output[-3000:]
+    generation = prefix.removeprefix("[launch] persisted ")
+    assert rest == f"{run_dir(long_root)} before removing in-memory checkpoints {long_dir}"
+    validate(LocalStore(run_dir(long_root)), generation)  # digests too
+    assert list_generations(LocalStore(run_dir(long_root))) == [generation]
+    assert os.listdir(shm_dir) == [], "no directory of either job remains"

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from dist_ckpt import launcher_api
@@ -80,3 +83,13 @@ def test_only_the_launcher_api_spells_the_launcher_layout() -> None:
                  for path in sorted((REPO / "dist_ckpt").rglob("*.py")) if path != api_path
                  if (found := layout_literals(ast.parse(path.read_text())))}
     assert offenders == {}
+
+
+def test_the_launcher_api_does_not_import_torch() -> None:
+    """Persist at breakpoint included (``memory/breakpoint.py``): the launcher's own module
+    stays torch-free."""
+    code = ("import sys, dist_ckpt.launcher_api as api; assert callable(api.persist_memory); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.stdout.strip() == "[]"

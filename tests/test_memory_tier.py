@@ -47,7 +47,7 @@ def saved(tmp_path):
 def test_memory_holds_newest_root_every_nth_and_restore_uses_memory(saved) -> None:
     root, shm_dir, trained = saved
     memory = trained["memory_root"]
-    assert memory.startswith(os.path.join(shm_dir, f"{shm.PREFIX}{RUN}") + os.sep)
+    assert memory == os.path.join(shm.run_dir(RUN, root, shm_dir), shm.root_digest(root))
     assert committed(memory) == ["gen-000000000005"], "memory keeps the newest only"
     assert committed(root) == ["gen-000000000002", "gen-000000000004"]
     # the root never held generation 5: loading it proves the load came from memory

@@ -77,7 +77,7 @@ def test_memory_tier_preemption_is_persisted_to_the_root(tmp_path) -> None:
                       "maybe_save", memory, {"memory_tier": True, "persist_every": 1000}, timeout_s=180)
     name = check_preempted(ranks, root, launch_dir)
     # the node's memory may not survive a preemption: with it gone, the root alone resumes
-    assert os.path.isdir(shm.run_dir(memory[1], memory[0]))
+    assert os.path.isdir(shm.run_dir(memory[1], root, memory[0]))
     restored = run_ranks(2, preempt_jobs.restore, root, (str(tmp_path / "other-shm"), "t-other"),
                          timeout_s=180)
     assert (restored[0]["generation"], restored[0]["next_update"]) == (name, ranks[0]["update"])

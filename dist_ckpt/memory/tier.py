@@ -2,7 +2,7 @@
 
 It is a rename tier (``tiers/rename.py``: same attempt, manifest-last and rename commit,
 node copies published by each filesystem group's leader) over
-``<shm base>/dist_ckpt-<run id>/<root digest>/`` (``dist_ckpt.memory.paths``): the bytes live in RAM,
+``<job's memory directory>/<root digest>/`` (``dist_ckpt.memory.paths``): the bytes live in RAM,
 outside the worker processes, so a restarted worker finds them; fsync there costs nearly
 nothing. The node's launcher owns the run directory and removes it (``launch/``).
 
@@ -20,7 +20,6 @@ What differs from a disk root:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections.abc import Callable
@@ -118,7 +117,7 @@ def memory_root(root: str, run_id: str | None) -> str:
         raise ConfigError("memory_tier needs the launcher's run id "
                           f"(environment variable DIST_CKPT_RUN_ID, got {run_id!r}): the node's "
                           "launcher owns and removes the shared memory (field memory_tier)")
-    return os.path.join(shm.run_dir(run_id), hashlib.sha256(root.encode()).hexdigest()[:12])
+    return os.path.join(shm.job_dir(run_id, root), shm.root_digest(root))
 
 
 def open_memory_tier(root: str, run_id: str | None) -> MemoryTier:
