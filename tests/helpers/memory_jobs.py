@@ -32,6 +32,21 @@ def train(rank: int, world: int, root: str, shm_dir: str, run_id: str, steps: in
     return {"full": full_state(job), "memory_root": memory_root}
 
 
+def train_mirrored(rank: int, world: int, root: str, shm_dir: str, run_id: str, mirror: str,
+                   steps: int) -> dict:
+    """Memory, root and mirror in one job: a save to memory after every update, every 2nd
+    persisted, every 2nd persisted one mirrored; ``finish(steps)`` at the end (DONE)."""
+    _env(shm_dir, run_id)
+    job = build("fsdp", rank, world)
+    with manager(job, root, memory_tier=True, persist_every=2, mirror=mirror, mirror_every=2) as mgr:
+        for update in range(1, steps):
+            train_step(job)
+            mgr.save(update)
+        train_step(job)
+        mgr.finish(steps)
+    return {"full": full_state(job)}
+
+
 def restore(rank: int, world: int, root: str, shm_dir: str, run_id: str) -> dict:
     _env(shm_dir, run_id)
     job = build("fsdp", rank, world, seed=99)
