@@ -96,3 +96,33 @@ def node_restore(rank: int, world: int, root: str, shm_dir: str, run_id: str,
     return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
             "rejected": [str(p) for p in result.rejected], "fetched": ring.fetched,
             "repair_failures": ring.repair_failures, "load_files": ring.fetched_for_load}
+
+
+def node_root(base: str, rank: int) -> str:
+    """One rank per node: each node's own disk for the root (nothing of it is shared)."""
+    return os.path.join(base, f"disk{rank}", "ckpt")
+
+
+def hierarchy_train(rank: int, world: int, base: str, shm_dir: str, run_id: str, mirror: str) -> dict:
+    """Memory, node-local roots and a mirror: updates 1 to 5 saved to memory, every 2nd
+    persisted to each node's root and mirrored; the state after update 4 and after 5."""
+    _env(node_dir(shm_dir, rank), run_id)
+    job = build("fsdp", rank, world)
+    out: dict = {}
+    with manager(job, node_root(base, rank), memory_tier=True, persist_every=2, mirror=mirror,
+                 commit_timeout_s=60) as mgr:
+        for update in range(1, 6):
+            train_step(job)
+            mgr.save(update)
+            if update >= 4:
+                out[update] = full_state(job)
+    return out
+
+
+def hierarchy_restore(rank: int, world: int, base: str, shm_dir: str, run_id: str, mirror: str) -> dict:
+    _env(node_dir(shm_dir, rank), run_id)
+    job = build("fsdp", rank, world, seed=99)
+    with manager(job, node_root(base, rank), memory_tier=True, mirror=mirror, commit_timeout_s=60) as mgr:
+        result = mgr.restore()
+    return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
+            "rejected": [str(p) for p in result.rejected]}
