@@ -16,8 +16,8 @@ from dist_ckpt.format.manifest import MANIFEST_NAME
 from dist_ckpt.format.validate import list_generations
 from dist_ckpt.memory import paths as shm
 from dist_ckpt.save.replay import read_mirror_state
-from dist_ckpt.storage.objectstore import ObjectStore
 from dist_ckpt.storage.local import LocalStore
+from dist_ckpt.storage.objectstore import ObjectStore
 from dist_ckpt.testing import run_ranks
 from tests.helpers import memory_jobs
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+
+import torch.distributed as dist
 
 from dist_ckpt import faults, runinfo
 from dist_ckpt.memory import paths as shm
@@ -119,10 +122,20 @@ def hierarchy_train(rank: int, world: int, base: str, shm_dir: str, run_id: str,
     return out
 
 
-def hierarchy_restore(rank: int, world: int, base: str, shm_dir: str, run_id: str, mirror: str) -> dict:
+def hierarchy_restore(rank: int, world: int, base: str, shm_dir: str, run_id: str, mirror: str) -> list[dict]:
+    """Restore (the caller removed what a lost node lost); then every node loses its memory
+    and disk, and a second job in the same processes restores again."""
     _env(node_dir(shm_dir, rank), run_id)
-    job = build("fsdp", rank, world, seed=99)
-    with manager(job, node_root(base, rank), memory_tier=True, mirror=mirror, commit_timeout_s=60) as mgr:
-        result = mgr.restore()
-    return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
-            "rejected": [str(p) for p in result.rejected]}
+    results = []
+    for lose_all in (False, True):
+        if lose_all:
+            dist.barrier()  # both jobs closed: nothing of the first is still running
+            shutil.rmtree(node_dir(shm_dir, rank), ignore_errors=True)
+            shutil.rmtree(os.path.dirname(node_root(base, rank)), ignore_errors=True)
+            dist.barrier()
+        job = build("fsdp", rank, world, seed=99)
+        with manager(job, node_root(base, rank), memory_tier=True, mirror=mirror, commit_timeout_s=60) as mgr:
+            result = mgr.restore()
+        results.append({"generation": result.generation, "tier": result.tier, "full": full_state(job),
+                        "rejected": [str(p) for p in result.rejected]})
+    return results
