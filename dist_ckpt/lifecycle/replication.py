@@ -27,7 +27,7 @@ import time
 from .. import logs
 from ..context import Context
 from ..memory.runner import MemoryTierRunner
-from ..save.replay import Replayer
+from ..save.replay import Replayer, ReplayStats
 from .pruning import Pruner
 
 log = logs.get(__name__)
@@ -66,6 +66,11 @@ class ReplayChain:
         self.policy = policy
         if self.mirror is not None and self.head is not self.mirror:
             self.head.on_completed = self._persisted
+
+    @property
+    def stats(self) -> ReplayStats:
+        """The last channel's: what reached the outermost tier (the mirror, else the root)."""
+        return self.stages[-1].stats
 
     # ---- the save path (the first channel) -----------------------------------------------
     def local_committed(self, generation: str) -> None:
