@@ -108,12 +108,13 @@ def node_root(base: str, rank: int) -> str:
 
 def hierarchy_train(rank: int, world: int, base: str, shm_dir: str, run_id: str, mirror: str) -> dict:
     """Memory, node-local roots and a mirror: updates 1 to 5 saved to memory, every 2nd
-    persisted to each node's root and mirrored; the state after update 4 and after 5."""
+    persisted to each node's root (which keeps 1) and mirrored; the state after update 4 and
+    after 5."""
     _env(node_dir(shm_dir, rank), run_id)
     job = build("fsdp", rank, world)
     out: dict = {}
     with manager(job, node_root(base, rank), memory_tier=True, persist_every=2, mirror=mirror,
-                 commit_timeout_s=60) as mgr:
+                 keep_last=1, commit_timeout_s=60) as mgr:
         for update in range(1, 6):
             train_step(job)
             mgr.save(update)
