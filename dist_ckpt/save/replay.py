@@ -248,7 +248,7 @@ class Replayer:
             if errors:
                 raise DistCkptError(f"{self.channel} replay of {generation} failed: {errors}")
             faults.hit(f"{self.channel}.before_publish", self.comm.rank)
-            raw = attempt.publish(manifest, self.signing_key)
+            published_raw = attempt.publish(manifest, self.signing_key)
             published = True
             self._post_outcome(True)
             self._await_node_copies(generation)
@@ -262,13 +262,20 @@ class Replayer:
             self._record(failed=generation, reason=str(exc))
         else:
             self._prune()
-            if self.on_completed is not None:
-                self.on_completed(generation, raw)
+            self._hand_over(generation, published_raw)
         with self._cond:
             self._active = None  # the settled generation no longer pins local retention
             self._publish_pinned()
         if self.on_settled is not None:
             self.on_settled()
+
+    def _hand_over(self, generation: str, manifest_raw: bytes) -> None:
+        if self.on_completed is None:
+            return
+        try:
+            self.on_completed(generation, manifest_raw)
+        except Exception:  # noqa: BLE001 - the next channel lags; this one goes on
+            log.exception("%s replay: handing %s to the next channel failed", self.channel, generation)
 
     # ---- node copies (a destination with one copy per node) ---------------------------------
     def _post_outcome(self, ok: bool, error: str | None = None) -> None:
