@@ -170,6 +170,10 @@ class CheckpointConfig(BaseModel):
         default=None, ge=1,
         description="Retention of the mirror tier: keep the newest K generations there (plus `keep_every` "
                     "milestones and pins); the default `None` deletes nothing from the mirror.")
+    mirror_every: int = Field(
+        default=1, ge=1,
+        description="Upload every Nth generation that reaches `root` to the mirror (with `memory_tier`: "
+                    "every Nth persisted one; `finish()` always uploads the final one). Needs `mirror`.")
     memory_tier: bool = Field(
         default=False,
         description="Commit every save to the memory tier first: each node's shared memory "
@@ -177,7 +181,8 @@ class CheckpointConfig(BaseModel):
                     "whose run id it needs), "
                     "so a restarted worker resumes without reading storage; `root` receives every "
                     "`persist_every`-th generation (and the final one) in the background "
-                    "(docs/memory-tier.md). Not combinable with `mirror` yet.")
+                    "(docs/memory-tier.md). With `mirror`, the mirror receives what reaches `root` "
+                    "(`mirror_every`).")
     persist_every: int = Field(
         default=1, ge=1,
         description="With `memory_tier`: persist every Nth committed in-memory generation to `root` "
@@ -304,9 +309,8 @@ class CheckpointConfig(BaseModel):
             raise FieldRuleError("mirror", self.mirror,
                                  f"needs a local root (root={self.root!r}) and an object-store URL "
                                  "(s3://...)")
-        if self.memory_tier and self.mirror is not None:
-            raise FieldRuleError("memory_tier", True, "cannot be combined with mirror yet: the "
-                                 "persistent tier behind memory is root")
+        if self.mirror is None and self.mirror_every != 1:
+            raise FieldRuleError("mirror_every", self.mirror_every, "needs mirror (an s3:// URL)")
         if self.persist_interval_s is not None and not self.memory_tier:
             raise FieldRuleError("persist_interval_s", self.persist_interval_s, "needs memory_tier=True")
         if self.async_save and self.keep_last is not None and self.keep_last < 2:

@@ -14,6 +14,7 @@ from .config import CheckpointConfig
 from .protocol.comm import Comm
 from .restart.state import TrainState
 from .tiers.base import CommitTier
+from .tiers.placement import RootGroups
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Context:
     config: CheckpointConfig
     state: TrainState
     tiers: Tiers
+    # which ranks share a copy of the root (``tiers/placement.py``); one copy unless probed
+    root_groups: RootGroups = RootGroups()
 
     @property
     def is_root_rank(self) -> bool:

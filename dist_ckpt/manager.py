@@ -56,8 +56,8 @@ from .save.schedule import SaveSchedule
 from .save.snapshot import PendingCopy, lazy_snapshots, run_after_copy
 from .save.space import check_space
 from .save.staging import Staged, StagingPool, StagingSlot, stage_ahead
-from .storage.directio import filesystem_type
 from .tiers import CommitTier, TierOptions, open_tier
+from .tiers.placement import place_tiers
 from .version import __version__
 
 log = logs.get(__name__)
@@ -118,8 +118,8 @@ class CheckpointManager:
         self.memory = MemoryTierRunner(config, root) if config.memory_tier else None
         self.tiers = Tiers(root=root, target=self.memory.tier if self.memory is not None else root,
                            mirror=self._open_mirror())
-        self.ctx = Context(self.comm, config, state, self.tiers)
-        self._prepare_target()
+        self.ctx = Context(self.comm, config, state, self.tiers,
+                           place_tiers(self.comm, config, root, self.tiers.target))
         if self.comm.rank == 0:
             try:
                 # leaders of other nodes read the pins from the store (pins.json is on this node)
@@ -153,25 +153,6 @@ class CheckpointManager:
             storage_options=dict(config.storage_options or {}),
             concurrency=config.mirror_concurrency, upload_verification=config.upload_verification,
             direct_io=config.direct_io))
-
-    def _prepare_target(self) -> None:
-        """All ranks (collective): the directory this node's ranks write into exists and is
-        shared as the filesystem groups say; a crashed job's leftover attempts are gone
-        before anybody writes."""
-        target, write_root = self.tiers.target, self.tiers.target.local_root
-        os.makedirs(write_root, exist_ok=True)
-        if self.comm.distributed:
-            self.comm.probe_shared_root(write_root)
-        target.local_ranks = frozenset(self.comm.fs_group)
-        if self.ctx.is_fs_leader:
-            # no save of this job is in flight yet: leftovers are a crashed job's
-            for tier in {id(t): t for t in (self.tiers.root, target)}.values():
-                tier.remove_leftover_attempts()
-            log.info("shard files under %s (%s) are written %s", write_root,
-                     filesystem_type(write_root) or "filesystem unknown",
-                     "past the page cache (O_DIRECT)" if target.direct_io
-                     else "through the page cache")
-        self.comm.barrier()  # nobody writes before stale pending directories are gone
 
     def _check_run_id(self) -> None:
         # launchers of different nodes that disagree on the run would mix two runs' shards
@@ -304,6 +285,8 @@ class CheckpointManager:
         self.wait()
         name = generation_name(final_update)
         step = finish.final_step(self.ctx, name, self.memory)
+        if self.replayer is not None:
+            self.replayer.force(name)  # the mirror too, whatever mirror_every says
         if step is FinalStep.SAVE:
             self._marked_save(final_update, tokens_seen, may_stop=False)
         elif step is FinalStep.PERSIST_FROM_MEMORY:

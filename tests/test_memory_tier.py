@@ -12,10 +12,13 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, ConfigError
+from dist_ckpt.format.inventory import inventory
 from dist_ckpt.format.manifest import MANIFEST_NAME, REJECTED_DIR
 from dist_ckpt.format.validate import list_generations, validate
 from dist_ckpt.memory import paths as shm
+from dist_ckpt.save.replay import read_mirror_state
 from dist_ckpt.storage.local import LocalStore
+from dist_ckpt.storage.objectstore import ObjectStore
 from dist_ckpt.testing import run_ranks
 from tests.helpers import memory_jobs
 from tests.helpers.matrix import record
@@ -116,9 +119,23 @@ def test_finish_persists_the_final_generation_then_done(tmp_path) -> None:
     assert done["generation"] == "gen-000000000003"
 
 
+def test_memory_root_and_mirror_in_one_job_done_after_the_mirror(tmp_path, s3_root: str) -> None:
+    """Updates 1 to 4 saved to memory, every 2nd persisted (2, 4), every 2nd persisted one
+    mirrored (4); ``finish(5)`` persists and mirrors 5 whatever the counts say, then DONE."""
+    root, shm_dir = str(tmp_path / "root"), str(tmp_path / "shm")
+    run_ranks(2, memory_jobs.train_mirrored, root, shm_dir, RUN, s3_root, 5, timeout_s=180)
+    assert committed(root) == ["gen-000000000002", "gen-000000000004", "gen-000000000005"]
+    remote = [g.name for g in inventory(ObjectStore(s3_root), digests=True) if g.state == "committed"]
+    assert sorted(remote) == ["gen-000000000004", "gen-000000000005"]
+    mirrored = read_mirror_state(root)
+    assert mirrored["last_completed"] == "gen-000000000005"
+    done = os.path.join(root, "DONE.json")
+    assert json.load(open(done))["generation"] == "gen-000000000005"
+    assert os.stat(done).st_mtime >= mirrored["completed_unix"], "DONE before the mirror had it"
+
+
 def test_config_errors_name_the_field(monkeypatch, tmp_path) -> None:
-    with pytest.raises(ConfigError, match="memory_tier"):
-        CheckpointConfig(root=str(tmp_path), memory_tier=True, mirror="s3://bucket/x")
+    assert CheckpointConfig(root=str(tmp_path), memory_tier=True, mirror="s3://bucket/x").mirror_every == 1
     with pytest.raises(ConfigError, match="persist_every"):
         CheckpointConfig(root=str(tmp_path), memory_tier=True, persist_every=0)
     with pytest.raises(ConfigError, match="persist_interval_s"):

@@ -1,7 +1,11 @@
-"""Two "nodes" with their own local disks behind the same path and one shared S3 mirror.
+"""The whole hierarchy on two nodes: each node's memory, each node's own local disk as the
+root (node-local: nothing of it is shared) and one S3 mirror (moto). One gloo rank per node,
+each with its own shared-memory base and root directory, as on separate machines.
 
-Each node is a torchrun invocation (``--nnodes 2``, one rank each, on loopback) in its own
-mount namespace, where the checkpoint path is bind-mounted onto that node's directory.
+The job commits every update to memory, persists every 2nd to the roots (each node publishes
+its own copy) and mirrors what was persisted. A job that lost both nodes' memory and disks
+resumes from the mirror bitwise; one that lost one node resumes from memory (the ring's
+replica rebuilds the lost node's part).
 """
 
 from __future__ import annotations
@@ -9,52 +13,52 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+import torch
 
-from dist_ckpt.testing import free_port
+from dist_ckpt.format.inventory import inventory
+from dist_ckpt.format.manifest import MANIFEST_NAME
+from dist_ckpt.storage.objectstore import ObjectStore
+from dist_ckpt.testing import run_ranks
+from tests.helpers import memory_jobs
+from tests.helpers.memory_jobs import node_dir, node_root
 
-pytestmark = pytest.mark.launcher  # torchrun jobs as two nodes
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_two_nodes(base: str, mirror: str, phase: str) -> list[dict]:
-    mount_point = os.path.join(base, "ckpt")
-    reference = os.path.join(base, "reference.pt")
-    port = free_port()
-    procs = []
-    for node in (0, 1):
-        disk = os.path.join(base, f"node{node}")
-        os.makedirs(disk, exist_ok=True)
-        torchrun = (f"{sys.executable} -m torch.distributed.run --nnodes 2 --node-rank {node} "
-                    f"--nproc-per-node 1 --master-addr 127.0.0.1 --master-port {port} "
-                    f"tests/helpers/nodelocal_job.py {mount_point} {mirror} {reference} {phase}")
-        script = f"mount --bind {disk} {mount_point} && exec {torchrun}"
-        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results = []
-    for proc in procs:
-        output, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, output[-4000:]
-        results += [json.loads(line[len("RESULT "):]) for line in output.splitlines()
-                    if line.startswith("RESULT ")]
-    return sorted(results, key=lambda r: r["rank"])
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
+RUN = "h0001"
+PERSISTED, NEWEST = "gen-000000000004", "gen-000000000005"
 
 
-def test_replaced_node_restores_from_the_mirror(s3_root: str, tmp_path) -> None:
-    base = str(tmp_path)
-    os.makedirs(os.path.join(base, "ckpt"))
-    run_two_nodes(base, s3_root, "save")
-    node0, node1 = os.path.join(base, "node0"), os.path.join(base, "node1")
-    # each node published its own copy of the generation, holding only its own shards
-    for disk, rank in ((node0, 0), (node1, 1)):
-        shards = os.listdir(os.path.join(disk, "gen-000000000004", "dcp"))
-        assert f"__{rank}_0.distcp" in shards and f"__{1 - rank}_0.distcp" not in shards
-    shutil.rmtree(node1)  # node 1 is a replaced machine
-    results = run_two_nodes(base, s3_root, "restore")
-    assert [r["generation"] for r in results] == ["gen-000000000004"] * 2
-    assert results[0]["same"] is True
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_memory_node_local_roots_and_mirror(tmp_path, s3_root: str) -> None:
+    base, shm_dir = str(tmp_path), str(tmp_path / "shm")
+    trained = run_ranks(2, memory_jobs.hierarchy_train, base, shm_dir, RUN, s3_root, timeout_s=180)[0]
+    # persisted: each node's root holds its own copy of 4, with only its rank's shards; each
+    # node prunes its own copy (keep_last=1): rank 0's node once the mirror no longer needs 2,
+    # the other node after its copy of 4, unless the mirror was still uploading 2 then
+    assert [n for n in os.listdir(node_root(base, 0)) if n.startswith("gen-")] == [PERSISTED]
+    assert PERSISTED in os.listdir(node_root(base, 1))
+    for rank in (0, 1):
+        root = node_root(base, rank)
+        manifest = json.load(open(os.path.join(root, PERSISTED, MANIFEST_NAME)))
+        held = {f["rank"] for f in manifest["files"]
+                if os.path.exists(os.path.join(root, PERSISTED, f["path"]))}
+        assert held == {rank}
+    # mirrored: a complete copy of each persisted generation, every digest checked
+    remote = {g.name: g.state for g in inventory(ObjectStore(s3_root), digests=True)}
+    assert remote == {"gen-000000000002": "committed", PERSISTED: "committed"}
+
+    # one node lost (memory and disk): the newest generation, from memory; then both nodes
+    # lost: the newest mirrored generation, from the mirror, bitwise
+    shutil.rmtree(node_dir(shm_dir, 1))
+    shutil.rmtree(os.path.dirname(node_root(base, 1)))
+    ranks = run_ranks(2, memory_jobs.hierarchy_restore, base, shm_dir, RUN, s3_root, timeout_s=180)
+    one, both = [r[0] for r in ranks], [r[1] for r in ranks]
+    assert [(r["generation"], r["tier"]) for r in one] == [(NEWEST, "memory")] * 2
+    assert equal(one[0]["full"], trained[5])
+    assert [r["generation"] for r in both] == [PERSISTED] * 2, both[0]["rejected"]
+    assert [r["tier"] for r in both] == ["object store"] * 2  # the mirror: no root holds anything
+    assert equal(both[0]["full"], trained[4])

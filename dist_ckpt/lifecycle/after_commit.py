@@ -22,17 +22,17 @@ from .. import logs, runinfo
 from ..context import Context
 from ..format.manifest import Manifest
 from ..memory.runner import MemoryTierRunner
-from ..save.replay import Replayer
 from ..save.request import SaveJob
 from ..save.staging import StagingPool, StagingSlot
 from .pruning import Pruner
+from .replication import ReplayChain
 
 log = logs.get("dist_ckpt.manager")
 
 
 class AfterCommit:
     def __init__(self, ctx: Context, staging: StagingPool | None, memory: MemoryTierRunner | None,
-                 replayer: Replayer | None, pruner: Pruner) -> None:
+                 replayer: ReplayChain | None, pruner: Pruner) -> None:
         self.ctx = ctx
         self.staging = staging
         self.memory = memory

@@ -5,9 +5,11 @@ Call order (all ranks, main thread; the manager drains its saves before each ste
    (a restart after the final save) and, with the memory tier, whether this node's memory
    holds it committed; every rank gets the same :class:`FinalStep` back. The manager then
    does what it says: nothing, ``save(final_update)``, or ``persist_from_memory``.
-2. ``write_done`` (collective, after the manager drained again): rank 0 waits for the replay
-   (mirror or persistence) and builds the record from the committed manifest, broadcast to
-   all; the writer of each filesystem group (rank 0 alone for an object-store root) writes
+2. ``write_done`` (collective, after the manager drained again): rank 0 waits for the replays
+   in chain order (persistence to the root, then the mirror) and checks that each completed
+   the final generation, so DONE is written only once that generation is in every configured
+   tier; it builds the record from the committed manifest, broadcast to all; the leader of
+   each copy of the root (rank 0 alone for a shared or object-store root) writes
    ``DONE.json``; an all-gather agrees on failures, which every rank raises as one
    ``CommitError``.
 """
@@ -25,8 +27,9 @@ from ..format.manifest import MANIFEST_NAME, Manifest, parse_generation
 from ..memory.runner import MemoryTierRunner
 from ..ops.done import DONE_NAME, DoneRecord, record_for
 from ..ops.done import write_done as write_done_record
-from ..save.replay import Replayer, read_mirror_state
+from ..save.replay import read_mirror_state
 from ..version import __version__
+from .replication import ReplayChain
 
 
 class FinalStep(enum.Enum):
@@ -57,7 +60,7 @@ def persist_from_memory(ctx: Context, memory: MemoryTierRunner, name: str) -> No
         memory.persister.enqueue(name, memory.tier.store.read_bytes(f"{name}/{MANIFEST_NAME}"))
 
 
-def write_done(ctx: Context, name: str, replayer: Replayer | None) -> DoneRecord:
+def write_done(ctx: Context, name: str, replayer: ReplayChain | None) -> DoneRecord:
     """All ranks, once no save is in flight: DONE for committed generation ``name``."""
     comm = ctx.comm
     outcome: tuple[DoneRecord | None, str | None] = (None, None)
@@ -67,7 +70,7 @@ def write_done(ctx: Context, name: str, replayer: Replayer | None) -> DoneRecord
     if record is None:
         raise CommitError(f"{name} is not final: {problem}", generation=name, failures={0: str(problem)})
     failure = None
-    if comm.rank == (0 if ctx.tiers.root.shared else comm.fs_leader):
+    if comm.rank == ctx.root_groups.leader:
         try:
             write_done_record(ctx.tiers.root.store, record)
         except Exception as exc:  # noqa: BLE001 - every rank raises it after the all-gather
@@ -79,15 +82,19 @@ def write_done(ctx: Context, name: str, replayer: Replayer | None) -> DoneRecord
     return record
 
 
-def done_record(ctx: Context, name: str, replayer: Replayer | None) -> tuple[DoneRecord | None, str | None]:
+def done_record(ctx: Context, name: str,
+                replayer: ReplayChain | None) -> tuple[DoneRecord | None, str | None]:
     """Rank 0: the DONE record of committed generation ``name``, or why there is none."""
     timeout_s = ctx.config.close_timeout_s
     if replayer is not None:
         if not replayer.drain(timeout_s):
-            return None, f"mirror uploads still pending after {timeout_s} s"
-        completed = read_mirror_state(ctx.tiers.target.local_root).get("last_completed_update")
-        if completed is None or completed < (parse_generation(name) or 0):
-            return None, "the mirror did not complete it (see mirror.json)"
+            channels = ", ".join(stage.channel for stage in replayer.stages)
+            return None, f"replays ({channels}) still pending after {timeout_s} s"
+        for stage in replayer.stages:  # memory -> root -> mirror: each one completed it
+            completed = read_mirror_state(stage.source.store).get("last_completed_update")
+            if completed is None or completed < (parse_generation(name) or 0):
+                return None, (f"the {stage.channel} replay did not complete it (see mirror.json "
+                              f"under {stage.source.local_root})")
     try:
         raw = ctx.tiers.root.store.read_bytes(f"{name}/{MANIFEST_NAME}")
         manifest = Manifest.from_bytes(raw, generation=name)

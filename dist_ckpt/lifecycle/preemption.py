@@ -32,7 +32,7 @@ from ..errors import Preempted
 from ..format.manifest import generation_name
 from ..protocol.comm import Comm
 from ..protocol.messages import PREEMPT_ACK_KEY, PREEMPT_TARGET_KEY
-from ..save.replay import Replayer
+from .replication import ReplayChain
 
 log = logs.get(__name__)
 POLL_S = 0.02  # the notice file: a stat, so a rank learns of it within about one update
@@ -98,14 +98,14 @@ class PreemptionWatch:
             self._thread.join(timeout=5)
 
 
-def stop_preempted(ctx: Context, persister: Replayer | None, next_update: int) -> None:
+def stop_preempted(ctx: Context, persister: ReplayChain | None, next_update: int) -> None:
     """All ranks, once the agreed update's save committed (the manager waited for it): with the
     memory tier (``persister``), wait until it is persisted to the root (the node's memory may
     not survive), then stop with ``Preempted``."""
     name = generation_name(next_update)
     if persister is not None:
         timeout_s = ctx.config.close_timeout_s
-        if ctx.comm.rank == 0 and not persister.drain(timeout_s):
+        if ctx.comm.rank == 0 and not persister.head.drain(timeout_s):  # the root; not the mirror
             log.error("%s not persisted to the root within %s s", name, timeout_s)
         ctx.comm.barrier()  # every rank's replay stays until rank 0 published
     runinfo.report(ctx.comm.rank, preempted=name, preempted_update=next_update)

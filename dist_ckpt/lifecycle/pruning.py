@@ -10,6 +10,7 @@ A failure deletes nothing and is logged: retention must never break training.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from .. import logs
 from ..context import Context
@@ -18,9 +19,13 @@ from ..memory.runner import MemoryTierRunner
 from ..ops import retention
 from ..protocol.messages import PINS_KEY
 from ..restore import rehearse as rehearsal
-from ..save.replay import Replayer
 
 log = logs.get(__name__)
+
+
+class Replays(Protocol):
+    def pending(self) -> set[str]:
+        """Generations a replay still has to copy out of the save target."""
 
 
 class Pruner:
@@ -30,7 +35,7 @@ class Pruner:
     def __init__(self, ctx: Context, memory: MemoryTierRunner | None) -> None:
         self.ctx = ctx
         self.memory = memory
-        self.replayer: Replayer | None = None
+        self.replayer: Replays | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-prune")
 
     def submit(self) -> None:

@@ -16,7 +16,9 @@ Call order:
 - ``prune_memory``: each filesystem leader's pruning thread after each in-memory commit, and
   rank 0's after each persistence settles: keep the newest committed in-memory generation,
   plus those being persisted (the one being written is a pending directory, never pruned);
-- ``prune_root``: rank 0's replay thread after each completed persistence (``keep_last``);
+- ``prune_root``: rank 0's replay thread after each completed persistence (``keep_last``), and
+  on a node-local root each other node's leader after publishing its node's copy; never a
+  generation ``root_pinned`` names (the mirror's still to upload);
 - ``before_restore``: every rank at the start of ``restore()`` (collective; ``memory/ring.py``);
 - ``after_restore``: every rank after ``restore()``; the filesystem leaders drop in-memory
   generations newer than the one resumed from (rejected, or saved by another world size).
@@ -35,8 +37,10 @@ from .. import logs, runinfo
 from ..config import CheckpointConfig
 from ..ops import retention
 from ..protocol.comm import Comm
+from ..protocol.messages import PINS_KEY
 from ..save.replay import Replayer
 from ..tiers.base import CommitTier
+from ..tiers.placement import RootGroups
 from .ring import NodeRing
 from .tier import MemoryTier, open_memory_tier
 
@@ -82,15 +86,20 @@ class MemoryTierRunner:
         self.policy = PersistPolicy(config)
         self._forced: set[str] = set()
         self._lock = threading.Lock()
+        self._root_lock = threading.Lock()  # the persist and mirror threads both prune the root
+        self.root_pinned: Callable[[], set[str]] | None = None  # the mirror's still to upload
         self.ring: NodeRing | None = None
 
-    def start_persisting(self, comm: Comm) -> Replayer:
-        """Every rank, once the filesystem groups are known: the replay thread to the root."""
+    def start_persisting(self, comm: Comm, groups: RootGroups | None = None) -> Replayer:
+        """Every rank, once the filesystem groups are known: the replay thread to the root
+        (``groups``: with a node-local root, each node's leader publishes its node's copy)."""
         self.persister = Replayer(
             comm, self.tier, self.root, queue_length=self.config.mirror_queue,
             timeout_s=self.config.mirror_timeout_s, signing_key=self.config.signing_key,
             prune_destination=self.prune_root if self.config.keep_last else None,
-            nice=self.config.background_nice)
+            nice=self.config.background_nice, channel="persist", groups=groups)
+        if self.config.keep_last:
+            self.persister.on_copied = self.prune_root
         if comm.rank == 0:
             self.persister.on_settled = self.prune_memory
         self.ring = NodeRing(comm, self.tier, replicate=self.config.memory_replica)
@@ -121,9 +130,15 @@ class MemoryTierRunner:
                 log.exception("memory tier retention pass failed")
 
     def prune_root(self) -> None:
-        retention.prune(self.root, keep_last=self.config.keep_last,
-                        keep_every=self.config.keep_every, key=self.config.signing_key,
-                        pinned=frozenset(retention.read_pins(self.root.store)))
+        pinned = set(retention.read_pins(self.root.store))
+        if self.persister is not None:  # pins.json is on rank 0's node: the store has them
+            pinned |= self.persister.comm.read_names(PINS_KEY)
+        if self.root_pinned is not None:
+            pinned |= self.root_pinned()
+        with self._root_lock:
+            retention.prune(self.root, keep_last=self.config.keep_last,
+                            keep_every=self.config.keep_every, key=self.config.signing_key,
+                            pinned=frozenset(pinned))
 
     def replicate(self) -> None:
         """Filesystem leaders, pruning thread, before ``prune_memory``: the ring copies."""

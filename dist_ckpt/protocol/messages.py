@@ -7,8 +7,14 @@ Background (through the c10d store, never a collective; see docs/architecture.md
 - :class:`RankReport`: rank r -> rank 0, ``report_key(generation, attempt_id, r)``.
 - :class:`CommitOutcome`: rank 0 -> every rank, ``outcome_key(generation, attempt_id)``.
 - node copy published: a filesystem leader -> its group, ``published_key(...)``.
-- :class:`MirrorAnnouncement`: rank 0's replay thread -> every replay thread, ``mirror_seq_key(seq)``.
-- :class:`MirrorReport`: rank r's replay thread -> rank 0's, ``mirror_report_key(seq, r)``.
+- :class:`MirrorAnnouncement`: rank 0's replay thread -> every replay thread,
+  ``replay_seq_key(channel, seq)``.
+- :class:`MirrorReport`: rank r's replay thread -> rank 0's, ``replay_report_key(channel, seq, r)``;
+  with node copies (node-local roots) rank 0's publish -> the other nodes' leaders,
+  ``replay_outcome_key(channel, seq)``, and each such leader's copy -> rank 0,
+  ``replay_copy_key(channel, seq, leader)``.
+A replay's keys are scoped by its channel (``persist``: memory -> root; ``mirror``: root ->
+mirror), so the two replays of one job never read each other's sequence.
 Keys a single reader consumes are deleted by that reader; keys read by several ranks are
 acknowledged under ``ack_key(key)`` and deleted by their writer once all have read them.
 """
@@ -23,7 +29,6 @@ from typing import Any, TypeVar
 from .comm import Comm
 
 PINS_KEY = "pins"
-MIRROR_PINNED_KEY = "mirror/pinned"
 PREEMPT_TARGET_KEY = "preempt/target"  # the update every rank saves before stopping
 PREEMPT_ACK_KEY = "preempt/acks"  # how many ranks know the target
 _STOP = "__stop__"
@@ -48,12 +53,25 @@ def ack_key(key: str) -> str:
     return f"{key}/read"
 
 
-def mirror_seq_key(seq: int) -> str:
-    return f"mirror/seq/{seq}"
+def replay_seq_key(channel: str, seq: int) -> str:
+    return f"replay/{channel}/seq/{seq}"
 
 
-def mirror_report_key(seq: int, rank: int) -> str:
-    return f"mirror/{seq}/report/{rank}"
+def replay_report_key(channel: str, seq: int, rank: int) -> str:
+    return f"replay/{channel}/{seq}/report/{rank}"
+
+
+def replay_outcome_key(channel: str, seq: int) -> str:
+    return f"replay/{channel}/{seq}/outcome"
+
+
+def replay_copy_key(channel: str, seq: int, leader: int) -> str:
+    return f"replay/{channel}/{seq}/copy/{leader}"
+
+
+def replay_pinned_key(channel: str) -> str:
+    """The generations a channel's replay still has to copy (rank 0 -> every rank's retention)."""
+    return f"replay/{channel}/pinned"
 
 
 # ---- messages -----------------------------------------------------------------------------

@@ -1,25 +1,35 @@
 """Replay: every rank copies its files of a committed generation from a source tier into a
-destination tier, and rank 0 publishes it there. Two uses: the mirror (the root's generations
-into ``config.mirror``) and the memory tier's persistence (memory into the root,
-``memory/runner.py``). Below, "mirror" stands for whichever destination.
+destination tier, and rank 0 publishes it there. Each replay has a channel, which scopes its
+store keys and fault points: ``persist`` (the memory tier into the root, ``memory/runner.py``)
+and ``mirror`` (the root into ``config.mirror``). With both, they run chained
+(``lifecycle/replication.py``): a generation the persist channel completed is enqueued to the
+mirror channel. Below, "mirror" stands for whichever destination.
 
-Protocol (one replay thread per rank; coordination only through the c10d store):
-1. ``enqueue`` (rank 0, after a local commit): the generation joins a bounded queue; when the
-   queue is full the oldest waiting generation is skipped (policy: keep the newest) and
-   recorded as skipped in ``mirror.json``.
-2. rank 0's replay thread announces the next generation to upload (a ``MirrorAnnouncement`` under
-   ``mirror_seq_key(n)``); every rank's replay thread (all ranks, in sequence order) replays its
-   own files of that committed local generation into the mirror tier (``CommitTier.begin``
-   with ``source_dir``, then ``put_files``: uploaded and verified below the attempt's
-   prefix) and posts a ``MirrorReport`` under ``mirror_report_key(n, rank)``.
+Protocol (one replay thread per rank and channel; coordination only through the c10d store):
+1. ``enqueue`` (rank 0, after a local commit or the previous channel's completion): the
+   generation joins a bounded queue; when the queue is full the oldest waiting generation is
+   skipped (policy: keep the newest) and recorded as skipped in ``mirror.json``.
+2. rank 0's replay thread announces the next generation to upload (a ``MirrorAnnouncement``
+   under ``replay_seq_key(channel, n)``); every rank's replay thread (all ranks, in sequence
+   order) waits until its own copy is in place (``local_committed``; not for a chained channel,
+   whose source rank 0 completed before announcing), replays its own files of that committed
+   generation into the destination (``CommitTier.begin`` with ``source_dir``, then
+   ``put_files``: hashed as copied, or uploaded and verified) and posts a ``MirrorReport``
+   under ``replay_report_key(channel, n, rank)``. Fault point ``<channel>.upload``.
 3. rank 0, once every rank reported within ``mirror_timeout_s``, publishes the attempt (the
-   remote manifest last, by conditional create; then the remote ``latest.json``), and records
-   the generation as the last completed remote one in the local ``mirror.json``. An enqueued or half-uploaded
-   generation is never recorded as durable. Rank 0 then deletes that sequence's store keys.
+   manifest last; fault point ``<channel>.before_publish``). With node copies (a node-local
+   root: ``RootGroups`` with more than one group), rank 0 then posts the outcome under
+   ``replay_outcome_key``; the leader of every other group publishes its node's copy (its
+   ranks' files and the manifest; fault point ``<channel>.node_copy``) and reports under
+   ``replay_copy_key``; rank 0 waits for every leader's report within the same deadline.
+4. rank 0 records the generation as the last completed one in the source's ``mirror.json``
+   and calls ``on_completed`` (the chain's next channel). An enqueued, half-copied or
+   partly published generation is never recorded as completed. Rank 0 then deletes that
+   sequence's store keys.
 
-Local retention: rank 0 keeps the set of generations it still has to upload (queued and
-active) in the store key ``mirror/pinned``; every rank's ``pending()`` reads it, so the
-leader of a node without rank 0 never prunes a generation the mirror still needs.
+Source retention: rank 0 keeps the set of generations it still has to copy (queued and
+active) in the store key ``replay_pinned_key(channel)``; every rank's ``pending()`` reads it,
+so the leader of a node without rank 0 never prunes a generation a replay still needs.
 """
 
 from __future__ import annotations
@@ -37,11 +47,11 @@ from ..errors import DistCkptError, StorageError
 from ..format.manifest import Manifest
 from ..protocol import messages
 from ..protocol.comm import Comm
-from ..protocol.messages import MIRROR_PINNED_KEY as PINNED_KEY
 from ..protocol.messages import MirrorAnnouncement, MirrorReport
 from ..storage.base import StoreReader, open_store
 from ..storage.local import atomic_write
 from ..tiers.base import CommitTier
+from ..tiers.placement import RootGroups
 from .priority import lower_thread_priority
 
 log = logs.get(__name__)
@@ -72,7 +82,17 @@ class Replayer:
 
     def __init__(self, comm: Comm, source: CommitTier, destination: CommitTier, *, queue_length: int,
                  timeout_s: float, signing_key: bytes | None = None,
-                 prune_destination: Callable[[], object] | None = None, nice: int = 10) -> None:
+                 prune_destination: Callable[[], object] | None = None, nice: int = 10,
+                 channel: str = "mirror", chained: bool = False,
+                 groups: RootGroups | None = None) -> None:
+        self.channel = channel
+        # chained: the source holds each announced generation complete already (rank 0
+        # announces only what the previous channel completed), so no rank waits for its copy
+        self.chained = chained
+        # node copies: the destination has one copy per group of ``groups`` (node-local root)
+        self.groups = groups if groups is not None and not groups.shared and not destination.shared else None
+        self.on_completed: Callable[[str, bytes], None] | None = None  # rank 0: the chain's next
+        self.on_copied: Callable[[], None] | None = None  # a copying leader, after its node copy
         self.nice = nice  # the replay thread's priority drop (config background_nice)
         self.prune_destination = prune_destination  # rank 0, after each completed replay
         self.signing_key = signing_key
@@ -91,7 +111,7 @@ class Replayer:
         self._local_done: set[str] = set()
         self._closing = False
         self._seq = 0
-        self._thread = threading.Thread(target=self._run, daemon=True, name="dist-ckpt-mirror")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"dist-ckpt-{channel}")
         self._thread.start()
 
     # ---- rank 0 ------------------------------------------------------------------------
@@ -112,9 +132,9 @@ class Replayer:
         # caller holds self._cond; generations still to upload, for followers' retention
         names = {g for g, _ in self._queue} | ({self._active} if self._active else set())
         try:
-            self.comm.publish_names(PINNED_KEY, names)
+            self.comm.publish_names(messages.replay_pinned_key(self.channel), names)
         except Exception:  # noqa: BLE001 - followers keep their last view; uploads go on
-            log.exception("could not publish the mirror's pinned generations")
+            log.exception("could not publish the %s replay's pinned generations", self.channel)
 
     # ---- all ranks ---------------------------------------------------------------------
     def local_committed(self, generation: str) -> None:
@@ -139,7 +159,9 @@ class Replayer:
         """Generations queued or being uploaded (by any rank): local retention keeps them."""
         with self._cond:
             mine = {g for g, _ in self._queue} | ({self._active} if self._active else set())
-        return mine if self.comm.rank == 0 else mine | self.comm.read_names(PINNED_KEY)
+        if self.comm.rank == 0:
+            return mine
+        return mine | self.comm.read_names(messages.replay_pinned_key(self.channel))
 
     def _next(self) -> tuple[str, bytes] | None:
         with self._cond:
@@ -157,7 +179,7 @@ class Replayer:
         lower_thread_priority(self.nice)
         while True:
             self._seq += 1
-            seq_key = messages.mirror_seq_key(self._seq)
+            seq_key = messages.replay_seq_key(self.channel, self._seq)
             if self.comm.rank == 0:
                 item = self._next()
                 announce = MirrorAnnouncement.stop_message() if item is None else \
@@ -188,9 +210,9 @@ class Replayer:
             self._uploading += 1
             self.stats.max_uploading = max(self.stats.max_uploading, self._uploading)
         try:
-            if not self._wait_local(generation):
+            if not self.chained and not self._wait_local(generation):
                 raise DistCkptError(f"{generation} never completed locally on this rank")
-            faults.hit("mirror.upload", self.comm.rank)
+            faults.hit(f"{self.channel}.upload", self.comm.rank)
             # the writer's form: an entry carries only its own algorithm's digest
             attempt.put_files([f.model_dump(exclude_none=True) for f in manifest.files
                                if f.rank == self.comm.rank])
@@ -200,13 +222,16 @@ class Replayer:
         finally:
             with self._cond:
                 self._uploading -= 1
-        messages.post(self.comm, messages.mirror_report_key(self._seq, self.comm.rank), report)
+        messages.post(self.comm, messages.replay_report_key(self.channel, self._seq, self.comm.rank), report)
         if self.comm.rank == 0:
             self._commit(attempt, manifest)
+        elif self.groups is not None and self.groups.copies_by(self.comm.rank):
+            self._node_copy(attempt, manifest_raw)
 
     def _commit(self, attempt, manifest: Manifest) -> None:
         generation = attempt.generation
-        keys = {r: messages.mirror_report_key(self._seq, r) for r in range(self.comm.world_size)}
+        keys = {r: messages.replay_report_key(self.channel, self._seq, r)
+                for r in range(self.comm.world_size)}
         found = messages.collect(self.comm, keys, time.monotonic() + self.timeout_s)
         errors = {keys[r]: "no report before mirror_timeout_s" for r in found.missing}
         for rank, raw in found.received.items():
@@ -215,27 +240,90 @@ class Replayer:
                 errors[keys[rank]] = str(report.error)
         if not found.missing:  # every rank read the announcement: nobody reads it again
             try:
-                self.comm.store.delete_key(messages.mirror_seq_key(self._seq))
+                self.comm.store.delete_key(messages.replay_seq_key(self.channel, self._seq))
             except Exception:  # noqa: BLE001 - a leftover key costs bytes, never correctness
-                log.warning("could not delete the store keys of mirror sequence %d", self._seq)
+                log.warning("could not delete the store keys of %s sequence %d", self.channel, self._seq)
+        published = False
         try:
             if errors:
-                raise DistCkptError(f"mirror upload of {generation} failed: {errors}")
-            faults.hit("mirror.before_publish", self.comm.rank)
-            attempt.publish(manifest, self.signing_key)
+                raise DistCkptError(f"{self.channel} replay of {generation} failed: {errors}")
+            faults.hit(f"{self.channel}.before_publish", self.comm.rank)
+            published_raw = attempt.publish(manifest, self.signing_key)
+            published = True
+            self._post_outcome(True)
+            self._await_node_copies(generation)
             self.stats.completed.append(generation)
             self._record(completed=manifest)
-        except Exception as exc:  # noqa: BLE001 - the mirror lags; local training goes on
-            log.error("mirror upload of %s failed: %s", generation, exc)
+        except Exception as exc:  # noqa: BLE001 - the destination lags; local training goes on
+            log.error("%s replay of %s failed: %s", self.channel, generation, exc)
+            if not published:
+                self._post_outcome(False, f"{type(exc).__name__}: {exc}")
             self.stats.failed[generation] = str(exc)
             self._record(failed=generation, reason=str(exc))
         else:
             self._prune()
+            self._hand_over(generation, published_raw)
         with self._cond:
             self._active = None  # the settled generation no longer pins local retention
             self._publish_pinned()
         if self.on_settled is not None:
             self.on_settled()
+
+    def _hand_over(self, generation: str, manifest_raw: bytes) -> None:
+        if self.on_completed is None:
+            return
+        try:
+            self.on_completed(generation, manifest_raw)
+        except Exception:  # noqa: BLE001 - the next channel lags; this one goes on
+            log.exception("%s replay: handing %s to the next channel failed", self.channel, generation)
+
+    # ---- node copies (a destination with one copy per node) ---------------------------------
+    def _post_outcome(self, ok: bool, error: str | None = None) -> None:
+        if self.groups is not None:  # rank 0: the other nodes' leaders wait for it
+            key = messages.replay_outcome_key(self.channel, self._seq)
+            messages.post(self.comm, key, MirrorReport(ok, error))
+
+    def _await_node_copies(self, generation: str) -> None:
+        """Rank 0: the generation counts as replayed once every node holds its part."""
+        if self.groups is None:
+            return
+        leaders = [r for r in self.groups.leaders if r != 0]
+        keys = {r: messages.replay_copy_key(self.channel, self._seq, r) for r in leaders}
+        found = messages.collect(self.comm, keys, time.monotonic() + self.timeout_s)
+        errors = {r: "no node copy before mirror_timeout_s" for r in found.missing}
+        for rank, raw in found.received.items():
+            report = messages.decode(MirrorReport, raw)
+            if not report.ok:
+                errors[rank] = str(report.error)
+        if not found.missing:
+            self.comm.store.delete_key(messages.replay_outcome_key(self.channel, self._seq))
+        if errors:
+            raise DistCkptError(f"{generation}: node copies missing or failed (by leader): {errors}")
+
+    def _node_copy(self, attempt, manifest_raw: bytes) -> None:
+        """The leader of a group without rank 0: once rank 0 published, this node's copy."""
+        key = messages.replay_outcome_key(self.channel, self._seq)
+        report = MirrorReport(False, "rank 0 published no outcome before mirror_timeout_s")
+        try:
+            if not self.comm.store_wait([key], self.timeout_s + 30.0):
+                outcome = messages.decode(MirrorReport, self.comm.store_get(key))
+                if not outcome.ok:  # rank 0 waits for no copy of a generation it did not publish
+                    attempt.abandon()
+                    return
+                faults.hit(f"{self.channel}.node_copy", self.comm.rank)
+                attempt.publish_copy(manifest_raw)
+                report = MirrorReport(True)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the replay
+            report = MirrorReport(False, f"{type(exc).__name__}: {exc}")
+        if not report.ok:
+            attempt.abandon()
+            log.error("%s replay: no node copy of %s: %s", self.channel, attempt.generation, report.error)
+        messages.post(self.comm, messages.replay_copy_key(self.channel, self._seq, self.comm.rank), report)
+        if report.ok and self.on_copied is not None:
+            try:
+                self.on_copied()
+            except Exception:  # noqa: BLE001 - retention must never fail a replay or training
+                log.exception("retention after the node copy of %s failed", attempt.generation)
 
     def _prune(self) -> None:
         if self.prune_destination is None:

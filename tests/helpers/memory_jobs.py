@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+
+import torch.distributed as dist
 
 from dist_ckpt import faults, runinfo
 from dist_ckpt.memory import paths as shm
@@ -30,6 +33,21 @@ def train(rank: int, world: int, root: str, shm_dir: str, run_id: str, steps: in
             mgr.finish(steps)
         memory_root = mgr.tiers.target.local_root
     return {"full": full_state(job), "memory_root": memory_root}
+
+
+def train_mirrored(rank: int, world: int, root: str, shm_dir: str, run_id: str, mirror: str,
+                   steps: int) -> dict:
+    """Memory, root and mirror in one job: a save to memory after every update, every 2nd
+    persisted, every 2nd persisted one mirrored; ``finish(steps)`` at the end (DONE)."""
+    _env(shm_dir, run_id)
+    job = build("fsdp", rank, world)
+    with manager(job, root, memory_tier=True, persist_every=2, mirror=mirror, mirror_every=2) as mgr:
+        for update in range(1, steps):
+            train_step(job)
+            mgr.save(update)
+        train_step(job)
+        mgr.finish(steps)
+    return {"full": full_state(job)}
 
 
 def restore(rank: int, world: int, root: str, shm_dir: str, run_id: str) -> dict:
@@ -83,3 +101,44 @@ def node_restore(rank: int, world: int, root: str, shm_dir: str, run_id: str,
     return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
             "rejected": [str(p) for p in result.rejected], "fetched": ring.fetched,
             "repair_failures": ring.repair_failures, "load_files": ring.fetched_for_load}
+
+
+def node_root(base: str, rank: int) -> str:
+    """One rank per node: each node's own disk for the root (nothing of it is shared)."""
+    return os.path.join(base, f"disk{rank}", "ckpt")
+
+
+def hierarchy_train(rank: int, world: int, base: str, shm_dir: str, run_id: str, mirror: str) -> dict:
+    """Memory, node-local roots and a mirror: updates 1 to 5 saved to memory, every 2nd
+    persisted to each node's root (which keeps 1) and mirrored; the state after update 4 and
+    after 5."""
+    _env(node_dir(shm_dir, rank), run_id)
+    job = build("fsdp", rank, world)
+    out: dict = {}
+    with manager(job, node_root(base, rank), memory_tier=True, persist_every=2, mirror=mirror,
+                 keep_last=1, commit_timeout_s=60) as mgr:
+        for update in range(1, 6):
+            train_step(job)
+            mgr.save(update)
+            if update >= 4:
+                out[update] = full_state(job)
+    return out
+
+
+def hierarchy_restore(rank: int, world: int, base: str, shm_dir: str, run_id: str, mirror: str) -> list[dict]:
+    """Restore (the caller removed what a lost node lost); then every node loses its memory
+    and disk, and a second job in the same processes restores again."""
+    _env(node_dir(shm_dir, rank), run_id)
+    results = []
+    for lose_all in (False, True):
+        if lose_all:
+            dist.barrier()  # both jobs closed: nothing of the first is still running
+            shutil.rmtree(node_dir(shm_dir, rank), ignore_errors=True)
+            shutil.rmtree(os.path.dirname(node_root(base, rank)), ignore_errors=True)
+            dist.barrier()
+        job = build("fsdp", rank, world, seed=99)
+        with manager(job, node_root(base, rank), memory_tier=True, mirror=mirror, commit_timeout_s=60) as mgr:
+            result = mgr.restore()
+        results.append({"generation": result.generation, "tier": result.tier, "full": full_state(job),
+                        "rejected": [str(p) for p in result.rejected]})
+    return results
