@@ -17,7 +17,7 @@ from dist_ckpt import (
     faults,
 )
 from dist_ckpt.cli.app import main as cli
-from dist_ckpt.format.manifest import MANIFEST_NAME, REJECTED_DIR
+from dist_ckpt.format.manifest import MANIFEST_NAME, REJECTED_DIR, read_latest_name
 from dist_ckpt.testing import tree_digest
 from tests.helpers.local_jobs import make_state, step, two_generations
 from tests.helpers.matrix import record, timed
@@ -41,6 +41,7 @@ def test_corrupt_newest_shard_falls_back(two_gen_root: TwoGenRoot, damage: str) 
         assert [(p.generation, p.path) for p in result.rejected] == [(GEN2, SHARD)]
         assert not two_gen_root.store.exists(f"{GEN2}/{MANIFEST_NAME}")
         assert [n[:16] for n in two_gen_root.rejected_entries()] == [GEN2]
+        assert read_latest_name(two_gen_root.store) == GEN1  # it named the generation moved
         step(fresh)
         mgr.save(2)  # the update the rejected generation held
     assert cli(["verify", root, GEN2]) == 0 and cli(["verify", root, GEN1]) == 0

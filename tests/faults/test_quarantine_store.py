@@ -1,6 +1,6 @@
 """Moving a rejected generation aside on an ``s3://`` root (``dist_ckpt.tiers.rejected``):
 cut short at each step, it loses nothing committed and the update still saves; it never
-deletes a manifest saved again meanwhile."""
+deletes a manifest saved again meanwhile; retention keeps what it marked, the CLI finishes it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import hashlib
 import pytest
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, faults
+from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.inventory import inspect_generation
 from dist_ckpt.format.manifest import MANIFEST_NAME, REASON_NAME, REJECTED_DIR, REJECTED_MARKER_PREFIX
 from dist_ckpt.format.validate import Problem, validate
+from dist_ckpt.ops.retention import plan_prune
 from dist_ckpt.storage.objectstore import ObjectStore
+from dist_ckpt.tiers import open_tier
 from dist_ckpt.tiers.rejected import mark_and_move
 from tests.helpers.local_jobs import make_state, step
 from tests.helpers.matrix import record
@@ -86,3 +89,22 @@ def test_move_never_deletes_a_manifest_saved_again(s3_gens: TwoGenRoot) -> None:
     record("rejected generation blocks its update",
            observed="a late mover's delete refused by the entity tag: the save of the same "
                     "update kept", root="s3")
+
+
+def test_marked_generation_is_kept_by_retention_and_finished_by_the_cli(
+        s3_gens: TwoGenRoot, capsys: pytest.CaptureFixture[str]) -> None:
+    """A move cut short after its marker, of a generation older than the newest committed (no
+    restore meets it again): retention does not take it for debris, and ``dist-ckpt
+    quarantine`` finishes the move into the entry the marker names."""
+    store = s3_gens.store
+    faults.configure({"quarantine.marked": {"raise": True}})
+    with pytest.raises(faults.FaultInjected):
+        mark_and_move(store, Problem(GEN1, "operator"))
+    faults.configure(None)
+    tier = open_tier(s3_gens.url)
+    assert GEN1 not in plan_prune(tier, keep_last=None).incomplete
+    assert cli(["quarantine", s3_gens.url, GEN1]) == 0
+    [entry] = s3_gens.rejected_entries()
+    assert f"moved {GEN1} aside to {s3_gens.url}/{REJECTED_DIR}/{entry}" in capsys.readouterr().out
+    assert store.listdir(GEN1) == [] and "operator" in store.read_bytes(
+        f"{REJECTED_DIR}/{entry}/{REASON_NAME}").decode()
