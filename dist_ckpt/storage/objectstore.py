@@ -20,6 +20,7 @@ import fsspec.asyn
 from .. import logs
 from ..digests import hasher
 from ..errors import StorageError, UnsafeFileError
+from .base import read_bounded
 from .checksum import composite, default_algorithm, encode, raw_checksum, reported, request_fields
 
 log = logs.get(__name__)
@@ -226,16 +227,20 @@ class ObjectStore:
         """Copy one object inside the store (server side where the store can)."""
         self.fs.copy(self._key(source), self._key(target))
 
-    def read_tagged(self, rel: str) -> tuple[bytes, str | None]:
+    def read_tagged(self, rel: str, limit: int) -> tuple[bytes, str | None]:
         """``rel``'s bytes and the entity tag of exactly those bytes (one GET on S3; None
-        where the store has no tags). ``FileNotFoundError`` when missing."""
+        where the store has no tags). ``FileNotFoundError`` when missing; ``UnsafeFileError``
+        when over ``limit`` bytes (refused unread)."""
         if self.protocol not in S3_PROTOCOLS:
-            return self.read_bytes(rel), None
+            return read_bounded(self, rel, limit), None
         bucket, key = self._bucket_key(rel)
 
         async def get() -> tuple[bytes, str]:
             response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
             async with response["Body"] as body:
+                if int(response["ContentLength"]) > limit:
+                    raise UnsafeFileError(f"{self.url(rel)}: {response['ContentLength']} bytes, over "
+                                          f"the {limit} byte bound (refused unread)")
                 return await body.read(), response["ETag"]
 
         return fsspec.asyn.sync(self.fs.loop, get)

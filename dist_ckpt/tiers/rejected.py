@@ -40,6 +40,7 @@ from .. import faults, logs
 from ..errors import ValidationError
 from ..format.manifest import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     REASON_NAME,
     REJECTED_DIR,
     REJECTED_MARKER_PREFIX,
@@ -96,7 +97,7 @@ def mark_and_move(store: ObjectStore, problem: Problem) -> str | None:
     if parse_generation(generation) is None:
         return None
     try:
-        raw, tag = store.read_tagged(f"{generation}/{MANIFEST_NAME}")
+        raw, tag = store.read_tagged(f"{generation}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
     except FileNotFoundError:  # nothing committed here, or a move cut short after step 3
         return _finish_unlisted(store, generation)
     marker = _mark(store, generation, raw, f"{problem}")
@@ -108,7 +109,7 @@ def finish_marked(store: ObjectStore, generation: str) -> bool:
     """Finish a move of ``generation`` cut short while its rejected manifest is still in place
     (a save of its update found the manifest); returns whether it did (the save retries)."""
     try:
-        raw, tag = store.read_tagged(f"{generation}/{MANIFEST_NAME}")
+        raw, tag = store.read_tagged(f"{generation}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return False
     marker = _read_marker(store, generation, rejected_marker_name(hashlib.sha256(raw).hexdigest()))
@@ -145,15 +146,17 @@ def _mark(store: ObjectStore, generation: str, raw: bytes, reason: str) -> Marke
         data_dir = None
     marker = Marker(generation=generation, manifest_sha256=sha, entry=rejected_entry_name(generation),
                     data_dir=data_dir, reason=reason, time=time.time())
-    try:
-        store.create_exclusive(f"{generation}/{name}", marker.model_dump_json().encode("utf-8"))
-        return marker
-    except FileExistsError:
-        pass
-    found = _read_marker(store, generation, name)
-    if found is None:  # removed by a mover that finished meanwhile: ours is the next move
-        return _mark(store, generation, raw, reason)
-    return found
+    while True:
+        try:
+            store.create_exclusive(f"{generation}/{name}", marker.model_dump_json().encode("utf-8"))
+            return marker
+        except FileExistsError:
+            pass
+        found = _read_marker(store, generation, name)
+        if found is not None:
+            return found
+        # removed between the create and the read: a mover that finished meanwhile took the
+        # manifest away, so ours finds it gone at its conditional delete (nothing is lost)
 
 
 def _read_marker(store: ObjectStore, generation: str, name: str) -> Marker | None:
@@ -210,7 +213,7 @@ def _finish_unlisted(store: ObjectStore, generation: str) -> str | None:
     step 3); returns the entry of the last one, None when there was none."""
     current = None
     try:
-        raw = store.read_bytes(f"{generation}/{MANIFEST_NAME}")
+        raw = read_bounded(store, f"{generation}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
         current = rejected_marker_name(hashlib.sha256(raw).hexdigest())
     except FileNotFoundError:
         pass

@@ -44,7 +44,6 @@ def test_corrupt_newest_shard_falls_back(two_gen_root: TwoGenRoot, damage: str) 
         assert read_latest_name(two_gen_root.store) == GEN1  # it named the generation moved
         step(fresh)
         mgr.save(2)  # the update the rejected generation held
-    assert cli(["verify", root, GEN2]) == 0 and cli(["verify", root, GEN1]) == 0
     with CheckpointManager(CheckpointConfig(root=root), make_state()) as mgr:
         again = mgr.restore()
     assert (again.generation, again.rejected) == (GEN2, [])

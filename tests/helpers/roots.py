@@ -8,11 +8,13 @@ fixture (tests/conftest.py) gives one of each kind.
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 
 from dist_ckpt.format.manifest import MANIFEST_NAME, REJECTED_DIR, Manifest, generation_name
 from dist_ckpt.storage.base import Store, open_store
+from dist_ckpt.storage.objectstore import ObjectStore
 from tests.helpers.local_jobs import two_generations
 
 GEN1, GEN2 = generation_name(1), generation_name(2)
@@ -50,14 +52,28 @@ class TwoGenRoot:
         return self.store.listdir(REJECTED_DIR) if self.store.exists(REJECTED_DIR) else []
 
 
-def make_two_gen_root(kind: str, local_dir: str) -> TwoGenRoot:
-    """gen-1 and gen-2 under a fresh root of ``kind`` (s3: a new bucket on the endpoint the
-    environment names)."""
-    if kind == "s3":
-        from tests.helpers.s3 import new_bucket
+_S3_TEMPLATES: dict[str, ObjectStore] = {}  # endpoint -> a root holding the two generations
 
-        url = f"s3://{new_bucket()}/run-{uuid.uuid4().hex[:6]}"
-    else:
-        url = local_dir
-    two_generations(url)
-    return TwoGenRoot(kind, url, open_store(url))
+
+def make_two_gen_root(kind: str, local_dir: str) -> TwoGenRoot:
+    """gen-1 and gen-2 under a fresh root of ``kind``: ``local_dir``, or (s3) a new bucket on
+    the endpoint the environment names, filled by a server-side copy of a template root that
+    this process saved once on that endpoint (a save against moto costs far more than a copy;
+    the bytes are the same)."""
+    if kind != "s3":
+        two_generations(local_dir)
+        return TwoGenRoot(kind, local_dir, open_store(local_dir))
+    from tests.helpers.s3 import new_bucket
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    if endpoint not in _S3_TEMPLATES:
+        template = ObjectStore(f"s3://{new_bucket()}/template")
+        two_generations(template.root)
+        _S3_TEMPLATES[endpoint] = template
+    source = _S3_TEMPLATES[endpoint]  # its client is set up already: one copy request per object
+    bucket = f"ckpt-{uuid.uuid4().hex[:10]}"
+    source.fs.mkdir(bucket)
+    names = source.find("")
+    source.fs.copy([source._key(n) for n in names], [f"{bucket}/run/{n}" for n in names])
+    url = f"s3://{bucket}/run"
+    return TwoGenRoot(kind, url, ObjectStore(url))
