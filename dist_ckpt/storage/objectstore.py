@@ -20,7 +20,6 @@ import fsspec.asyn
 from .. import logs
 from ..digests import hasher
 from ..errors import StorageError, UnsafeFileError
-from .base import read_bounded
 from .checksum import composite, default_algorithm, encode, raw_checksum, reported, request_fields
 
 log = logs.get(__name__)
@@ -232,7 +231,11 @@ class ObjectStore:
         where the store has no tags). ``FileNotFoundError`` when missing; ``UnsafeFileError``
         when over ``limit`` bytes (refused unread)."""
         if self.protocol not in S3_PROTOCOLS:
-            return read_bounded(self, rel, limit), None
+            self.checked_size(rel, limit=limit)
+            raw = self.read_bytes(rel)
+            if len(raw) > limit:  # it grew after the check
+                raise UnsafeFileError(f"{self.url(rel)}: {len(raw)} bytes, over the {limit} byte bound")
+            return raw, None
         bucket, key = self._bucket_key(rel)
 
         async def get() -> tuple[bytes, str]:
