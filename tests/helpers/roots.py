@@ -74,6 +74,6 @@ def make_two_gen_root(kind: str, local_dir: str) -> TwoGenRoot:
     bucket = f"ckpt-{uuid.uuid4().hex[:10]}"
     source.fs.mkdir(bucket)
     names = source.find("")
-    source.fs.copy([source._key(n) for n in names], [f"{bucket}/run/{n}" for n in names])
+    source.fs.copy([f"{source.base}/{n}" for n in names], [f"{bucket}/run/{n}" for n in names])
     url = f"s3://{bucket}/run"
     return TwoGenRoot(kind, url, ObjectStore(url))
