@@ -4,7 +4,7 @@ When restore rejects a generation newer than the one it loads (a damaged shard, 
 node-local copy whose other shards never reached the mirror before a crash), the job will
 reach that update number again and must be able to save it: the tier moves it aside
 (``CommitTier.move_aside``: a POSIX root renames it below ``ROOT/rejected/``, an object store
-copies it there in restartable steps, ``dist_ckpt.tiers.rejected``).
+copies it there in restartable steps, ``dist_ckpt.tiers.rejected_store``).
 
 Call order: after ``select_generation`` (whose rejections every rank agrees on), the leader of
 each filesystem group moves its own copies (rank 0 alone on a shared tier, an object store);

@@ -212,7 +212,7 @@ class ObjectStore:
             raise FileExistsError(f"{self.url(rel)} already exists")
         self.fs.pipe_file(key, data)
 
-    # ---- what moving a generation aside needs (``dist_ckpt.tiers.rejected``) -------------
+    # ---- what moving a generation aside needs (``dist_ckpt.tiers.rejected_store``) -------
     def find(self, rel: str) -> list[str]:
         """Every object below ``rel``, as names relative to the root, sorted."""
         prefix = f"{self.base}/"

@@ -13,7 +13,7 @@ Protocol for generation ``G`` (docs/architecture.md, "Save"):
 Readers trust only generations whose manifest exists, is named by no rejection marker and
 whose objects verify; objects of failed attempts are orphans that only retention removes
 (``debris``). A rejected generation is copied aside below ``rejected/`` (``move_aside``:
-``dist_ckpt.tiers.rejected``).
+``dist_ckpt.tiers.rejected_store``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from .base import (
     remove_stale_pending,
     stale_uncommitted,
 )
-from .rejected import finish_marked, mark_and_move
+from .rejected_store import finish_marked, mark_and_move
 from .verified import VerifiedObjectReader
 
 log = logs.get(__name__)
@@ -214,7 +214,7 @@ class ObjectStoreTier:
         return stale + orphan_attempts(self.store, committed)
 
     def move_aside(self, problem: Problem) -> str | None:
-        """Copied below ``rejected/`` in restartable steps (``dist_ckpt.tiers.rejected``)."""
+        """Copied below ``rejected/`` in restartable steps (``dist_ckpt.tiers.rejected_store``)."""
         return mark_and_move(self.store, problem)
 
 

@@ -1,4 +1,4 @@
-"""Moving a rejected generation aside on an ``s3://`` root (``dist_ckpt.tiers.rejected``):
+"""Moving a rejected generation aside on an ``s3://`` root (``dist_ckpt.tiers.rejected_store``):
 cut short at each step, it loses nothing committed and the update still saves; it never
 deletes a manifest saved again meanwhile; retention keeps what it marked, the CLI finishes it."""
 
@@ -16,7 +16,7 @@ from dist_ckpt.format.validate import Problem, validate
 from dist_ckpt.ops.retention import plan_prune
 from dist_ckpt.storage.objectstore import ObjectStore
 from dist_ckpt.tiers import open_tier
-from dist_ckpt.tiers.rejected import mark_and_move
+from dist_ckpt.tiers.rejected_store import mark_and_move
 from tests.helpers.local_jobs import make_state, step
 from tests.helpers.matrix import record
 from tests.helpers.roots import GEN1, GEN2, TwoGenRoot, make_two_gen_root
