@@ -66,7 +66,7 @@ ROWS = [
         "the save fails with the cause; older generations intact; retention prunes nothing",
         [f"{F}/test_disk_full.py"]),
     Row("corrupted bytes", "bit flip and truncation in a shard, manifest.json, .metadata, state "
-        "files, latest.json (on an s3:// root: a shard, .metadata, manifest.json)",
+        "files, latest.json (on an s3:// root: .metadata, manifest.json)",
         "a clear error naming the file; fallback; never a silent load",
         [f"{F}/test_corruption.py::test_damaged_file_is_named_and_skipped",
          f"{F}/test_corruption.py::test_damaged_latest_pointer_is_a_warning_not_a_choice"]),
