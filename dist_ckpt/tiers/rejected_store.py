@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import time
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
 
 from .. import faults, logs
@@ -59,7 +59,7 @@ class Marker(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     generation: str
-    manifest_sha256: str
+    manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     entry: str  # below REJECTED_DIR
     # where the rejected manifest's objects live inside G; None: the manifest does not parse,
     # its objects are not known (they stay for retention, which removes unreferenced ones)
@@ -148,6 +148,7 @@ def _read_marker(store: ObjectStore, generation: str, name: str) -> Marker | Non
         raise ValidationError(f"{store.url(rel)} is not a rejection marker", generation=generation,
                               path=name) from exc
     if marker.generation != generation or rejected_generation(marker.entry) != generation \
+            or name != rejected_marker_name(marker.manifest_sha256) \
             or marker.data_dir is not None and not _safe_child(marker.data_dir):
         raise ValidationError(f"{store.url(rel)} names another generation or an unsafe path",
                               generation=generation, path=name)

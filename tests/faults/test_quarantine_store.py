@@ -5,10 +5,11 @@ deletes a manifest saved again meanwhile; retention keeps what it marked, the CL
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
-from dist_ckpt import CheckpointConfig, CheckpointManager, faults
+from dist_ckpt import CheckpointConfig, CheckpointManager, ValidationError, faults
 from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.inventory import inspect_generation
 from dist_ckpt.format.manifest import MANIFEST_NAME, REASON_NAME, REJECTED_DIR, REJECTED_MARKER_PREFIX
@@ -108,3 +109,21 @@ def test_marked_generation_is_kept_by_retention_and_finished_by_the_cli(
     assert f"moved {GEN1} aside to {s3_gens.url}/{REJECTED_DIR}/{entry}" in capsys.readouterr().out
     assert store.listdir(GEN1) == [] and "operator" in store.read_bytes(
         f"{REJECTED_DIR}/{entry}/{REASON_NAME}").decode()
+
+
+@pytest.mark.parametrize("fields", [{"data_dir": "../gen-000000000001"}, {"entry": "gen-000000000001-x"},
+                                    {"manifest_sha256": "0" * 64}])
+def test_a_marker_not_ours_is_refused(s3_gens: TwoGenRoot, fields: dict) -> None:
+    """A hostile marker in place of ours: the move refuses it (ValidationError naming it) and
+    deletes nothing; the rejected manifest still counts as rejected."""
+    store = s3_gens.store
+    raw = store.read_bytes(f"{GEN2}/{MANIFEST_NAME}")
+    name = f"{REJECTED_MARKER_PREFIX}{sha(raw)}.json"
+    marker = {"generation": GEN2, "manifest_sha256": sha(raw), "entry": f"{GEN2}-20260101T000000Z-abcdef",
+              "data_dir": "attempt-x", "reason": "r", "time": 0.0, **fields}
+    store.put_bytes(f"{GEN2}/{name}", json.dumps(marker).encode())
+    before = store.find("")
+    with pytest.raises(ValidationError) as caught:
+        mark_and_move(store, Problem(GEN2, "truncated shard", SHARD))
+    assert caught.value.path == name and store.find("") == before
+    assert inspect_generation(store, GEN2, digests=False).path == name
