@@ -42,7 +42,7 @@ ROWS = [
     Row("missing shard at save", "one rank writes nothing / its report never arrives (blocked point)",
         "no manifest; previous latest untouched; every rank raises CommitError naming the rank",
         [f"{F}/test_ranks.py::test_slow_late_crashed_and_missing_ranks"]),
-    Row("missing shard after commit", "a shard file deleted",
+    Row("missing shard after commit", "a shard file deleted (local and s3:// roots)",
         "verify exits 1 naming the file; restore falls back and lists the reason",
         [f"{F}/test_corruption.py::test_missing_shard_after_commit"]),
     Row("slow rank under / over the deadline", "delay inside one rank's writer",
@@ -66,10 +66,17 @@ ROWS = [
         "the save fails with the cause; older generations intact; retention prunes nothing",
         [f"{F}/test_disk_full.py"]),
     Row("corrupted bytes", "bit flip and truncation in a shard, manifest.json, .metadata, state "
-        "files, latest.json", "a clear error naming the file; fallback; never a silent load",
+        "files, latest.json (on an s3:// root: .metadata, manifest.json)",
+        "a clear error naming the file; fallback; never a silent load",
         [f"{F}/test_corruption.py::test_damaged_file_is_named_and_skipped",
-         f"{F}/test_corruption.py::test_damaged_latest_pointer_is_a_warning_not_a_choice",
-         f"{F}/test_local_faults.py::test_corrupt_newest_shard_falls_back"]),
+         f"{F}/test_corruption.py::test_damaged_latest_pointer_is_a_warning_not_a_choice"]),
+    Row("rejected generation blocks its update", "a damaged newest generation on a local and an "
+        "s3:// root; the move aside cut short after each step (marker, copy, manifest delete, "
+        "cleanup); a late mover racing a save of the same update",
+        "moved to ROOT/rejected/ with its reason, never deleted; the update saves again; nothing "
+        "committed lost; a manifest saved again is never deleted",
+        [f"{F}/test_local_faults.py::test_corrupt_newest_shard_falls_back",
+         f"{F}/test_quarantine_store.py"]),
     Row("damaged file, good copy elsewhere", "bit flip in / removal of a shard or .metadata of "
         "the newest local generation, the S3 mirror holding it intact; a bit flip in an in-memory "
         "shard, the root holding the same save",

@@ -142,6 +142,17 @@ def s3_root(s3_endpoint) -> str:
     return f"s3://{new_bucket()}/run"
 
 
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.processes)])
+def two_gen_root(request: pytest.FixtureRequest, tmp_path):
+    """gen-1 and gen-2 of the tiny job under a local root, then under an ``s3://`` root (the
+    session's moto server): fault tests that take it run against both kinds of root."""
+    from tests.helpers.roots import make_two_gen_root
+
+    if request.param == "s3":
+        request.getfixturevalue("s3_endpoint")
+    return make_two_gen_root(request.param, str(tmp_path / "root"))
+
+
 @pytest.fixture
 def no_faults():
     """No injected faults before and after the test (``dist_ckpt.faults`` is process-wide)."""

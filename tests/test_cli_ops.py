@@ -19,6 +19,7 @@ from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.tiers.rejected import move_aside
 from tests.helpers.cli_runs import flip_byte, private_copy, run
 from tests.helpers.local_jobs import make_state, step, two_generations
+from tests.helpers.roots import make_two_gen_root
 
 GEN1 = "gen-000000000001"
 GEN2 = "gen-000000000002"
@@ -148,7 +149,6 @@ def test_quarantine_takes_a_damaged_latest_without_force(root: Path,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["s3://bucket/run", GEN1], "object stores are not supported yet"),
     (["ROOT", "gen-000000000099"], "no generation"),
     (["ROOT", "../gen-000000000001"], "unsafe"),
 ])
@@ -212,9 +212,28 @@ def test_rm_usage_errors(root: Path, capsys: pytest.CaptureFixture[str], name: s
     assert (root / GEN1).is_dir() and (root / GEN2).is_dir()
 
 
-def test_rm_object_store_not_supported(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "rm", "s3://bucket/run", GEN1, "--invalid-only")
-    assert code == 2 and "object stores are not supported yet" in err
+def test_quarantine_ls_and_rm_on_an_object_store(s3_endpoint: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """quarantine, the quarantined rows of ls, and rm --invalid-only on an s3:// root."""
+    root = make_two_gen_root("s3", "")
+    url = root.url
+    root.damage(GEN2, SHARD, "bitflip")  # a damaged latest goes without --force
+    code, out, _ = run(capsys, "quarantine", url, GEN2, "--json")
+    result = json.loads(out)
+    [entry] = root.rejected_entries()
+    assert code == 0 and result["path"] == f"{url}/{REJECTED_DIR}/{entry}"
+    assert result["latest"] == {"was": GEN2, "now": GEN1}
+    assert not root.store.exists(f"{GEN2}/{MANIFEST_NAME}")
+
+    code, out, _ = run(capsys, "ls", url, "--json")
+    data = json.loads(out)
+    assert code == 0 and [g["name"] for g in data["generations"]] == [GEN1]
+    [rec] = data["quarantined"]
+    assert (rec["name"], rec["generation"], rec["path"]) == (entry, GEN2, f"{REJECTED_DIR}/{entry}")
+    assert SHARD in rec["reason"] and rec["total_bytes"] > 0
+
+    code, out, _ = run(capsys, "rm", url, f"{REJECTED_DIR}/{entry}", "--invalid-only")
+    assert code == 0 and f"deleted {REJECTED_DIR}/{entry}" in out and root.rejected_entries() == []
 
 
 # ---- 4. latest.json naming a missing generation -------------------------------------------

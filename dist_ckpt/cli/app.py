@@ -216,7 +216,7 @@ def kept_because(args: argparse.Namespace, store: Store) -> str:
 LS_EPILOG = f"""\
 states: committed (structure and sizes check out), invalid, pending (a save in flight or
 abandoned), quarantined (moved aside to ROOT/{REJECTED_DIR}/ by restore or `dist-ckpt quarantine`;
-local roots only; named by that path, the reason is the first line of its {REASON_NAME}).
+named by that path, the reason is the first line of its {REASON_NAME}).
 {FOOTNOTE}.
 
 A launcher root (python -m launch --checkpoint-root, with {RUNS_DIR}/ below it): ls lists its
@@ -291,14 +291,14 @@ def add_changing_parsers(sub: Any) -> list[argparse.ArgumentParser]:
     unpin = sub.add_parser("unpin", help="let pruning delete a generation again")
     unpin.set_defaults(func=cmd_pin)
     quarantine_cmd = sub.add_parser(
-        "quarantine", help=f"move a generation aside to ROOT/{REJECTED_DIR}/ (local roots)",
+        "quarantine", help=f"move a generation aside to ROOT/{REJECTED_DIR}/",
         description="Refuses a pinned generation and the valid one latest.json points to, unless "
                     "--force (a pinned one is then unpinned).")
     quarantine_cmd.set_defaults(func=cmd_quarantine)
     quarantine_cmd.add_argument("--reason", default=None, metavar="TEXT", help=f"written to {REASON_NAME}")
     quarantine_cmd.add_argument("--force", action="store_true", help="move a pinned or the latest one too")
     rm = sub.add_parser(
-        "rm", help="delete a generation or quarantined entry that fails validation (local roots)",
+        "rm", help="delete a generation or quarantined entry that fails validation",
         description="Deletes only what fails the full check (sizes and digests; signatures are not "
                     "checked: another key's generation is not damaged). A valid one exits 1.")
     rm.set_defaults(func=cmd_rm)

@@ -68,7 +68,7 @@ def pin_message(name: str, previous: str | None, label: str) -> str:
 
 
 def cmd_quarantine(args: argparse.Namespace) -> int:
-    tier = open_local_root(args.root, "quarantine")
+    tier = open_quarantine_root(args.root, "quarantine")
     store = tier.store
     name = checked_generation(store, args.generation)
     key = key_from_env()
@@ -94,15 +94,15 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     return 0
 
 
-def open_local_root(root: str, command: str) -> CommitTier:
-    """quarantine and rm move or delete directories under ``ROOT/rejected/``: only tiers that
-    keep rejected generations have one (POSIX roots; object stores are not supported yet)."""
+def open_quarantine_root(root: str, command: str) -> CommitTier:
+    """quarantine and rm move or delete entries under ``ROOT/rejected/``: only tiers that keep
+    rejected generations have one (POSIX roots and object stores)."""
     try:
         keeps_rejected = open_tier(root).keeps_rejected  # no network call for a refusal
     except DistCkptError as exc:
         raise UsageError(f"{command}: cannot open {root!r}: {exc}") from exc
     if not keeps_rejected:
-        raise UsageError(f"{command}: object stores are not supported yet (local roots only)")
+        raise UsageError(f"{command}: {root!r} keeps no rejected generations")
     return open_root_tier(root)
 
 
@@ -188,7 +188,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         raise UsageError("rm needs --invalid-only: it deletes only a generation that fails "
                          "validation (committed data is never deleted by accident; old "
                          "generations go with `dist-ckpt prune`)")
-    store = open_local_root(args.root, "rm").store
+    store = open_quarantine_root(args.root, "rm").store
     rel, view, generation = rm_target(store, args.name)
     # bytes only: a generation signed under another key is not damaged, and this deletes
     result = verify_result(view, generation, key=None)

@@ -4,8 +4,9 @@ A generation directory is named ``gen-<next_update, 12 digits>``; its ``manifest
 written last and lists every file with its size and digest (BLAKE3; sha256 in older
 generations). ``latest.json`` at the root points at the newest validated generation. Every
 other name the library gives below a root is built and parsed here too: an attempt's pending
-directory ``.pending-G-<attempt>``, a rejected generation's ``rejected/G-<time>-<id>/`` and
-the damaged files a restore replaced, ``rejected/G-files-<time>-<id>/``.
+directory ``.pending-G-<attempt>``, a rejected generation's ``rejected/G-<time>-<id>/``, the
+damaged files a restore replaced, ``rejected/G-files-<time>-<id>/`` and, on a store without
+rename, the marker ``G/rejected-<manifest sha256>.json``.
 
 Everything read here may be hostile: parsers raise ``ValidationError`` (never another
 exception), and ``regular_file_size`` refuses, without opening it, anything below a local root
@@ -43,6 +44,9 @@ MAX_UNIX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second datetim
 PENDING_PREFIX = ".pending-"
 REJECTED_DIR = "rejected"  # rejected generations moved aside, below the root
 REASON_NAME = "reason.txt"  # in a rejected entry: why it was moved aside
+# in a generation on a store without rename: its manifest (by sha256) was rejected and is
+# being moved aside; readers treat that manifest as rejected (``rejected_marker_name``)
+REJECTED_MARKER_PREFIX = "rejected-"
 
 # fullmatch, ASCII digits only: "$" would accept a trailing newline and "\d" any Unicode digit
 _GEN_RE = re.compile(r"gen-([0-9]{12})")
@@ -96,6 +100,12 @@ def rejected_files_entry_name(generation: str) -> str:
     replaced with a good copy (``dist_ckpt.restore.repair``): ``<generation>-files-<UTC
     time>-<6 hex>``. Not a rejected generation: the generation itself stays committed."""
     return f"{generation}-files-{_entry_suffix()}"
+
+
+def rejected_marker_name(manifest_sha256: str) -> str:
+    """The marker, inside a generation, saying that the manifest with this sha256 was rejected
+    (``dist_ckpt.tiers.rejected_store``): a later manifest of the same generation has another."""
+    return f"{REJECTED_MARKER_PREFIX}{manifest_sha256}.json"
 
 
 def rejected_generation(entry: str) -> str | None:

@@ -12,6 +12,7 @@ their bound.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from .manifest import (
     read_latest_name,
     read_latest_pointer,
     regular_file_size,
+    rejected_marker_name,
 )
 from .signing import MAX_SIGNATURE_BYTES, SIGNATURE_NAME, verify
 
@@ -78,7 +80,8 @@ def _printable(name: str) -> str:
 
 
 def read_manifest(store: StoreReader, generation: str, *, key: bytes | None = None) -> Manifest:
-    """Parse a generation's manifest; with ``key``, only if its signature verifies."""
+    """Parse a generation's manifest; with ``key``, only if its signature verifies. A manifest
+    that a rejection marker names (a move aside under way on an object store) is rejected."""
     check_generation_name(generation)
     rel = f"{generation}/{MANIFEST_NAME}"
     try:
@@ -88,6 +91,10 @@ def read_manifest(store: StoreReader, generation: str, *, key: bytes | None = No
     except (FileNotFoundError, StorageError) as exc:
         raise ValidationError(f"{generation} has no manifest (never committed)",
                               generation=generation, path=MANIFEST_NAME) from exc
+    marker = rejected_marker_name(hashlib.sha256(raw).hexdigest())
+    if store.exists(f"{generation}/{marker}"):
+        raise ValidationError(f"{generation} was rejected and is being moved aside ({marker})",
+                              generation=generation, path=marker)
     manifest = Manifest.from_bytes(raw, generation=generation)
     if key is not None:
         sig_rel = f"{generation}/{manifest.location(SIGNATURE_NAME)}"

@@ -3,10 +3,12 @@
 When restore rejects a generation newer than the one it loads (a damaged shard, or a
 node-local copy whose other shards never reached the mirror before a crash), the job will
 reach that update number again and must be able to save it: the tier moves it aside
-(``CommitTier.move_aside``; a POSIX root keeps it under ``ROOT/rejected/``).
+(``CommitTier.move_aside``: a POSIX root renames it below ``ROOT/rejected/``, an object store
+copies it there in restartable steps, ``dist_ckpt.tiers.rejected_store``).
 
 Call order: after ``select_generation`` (whose rejections every rank agrees on), the leader of
-each filesystem group moves its own copies; then all ranks exchange what moved.
+each filesystem group moves its own copies (rank 0 alone on a shared tier, an object store);
+then all ranks exchange what moved.
 """
 
 from __future__ import annotations
@@ -30,19 +32,21 @@ def blocking(rejected: list[Problem], chosen: str | None, tier_url: str) -> list
 
 
 def move_blocking(comm: Comm, tier: CommitTier, rejected: list[Problem], chosen: str | None) -> list[str]:
-    """All ranks: each filesystem leader moves its copies of the blocking rejections aside;
-    returns the moved generation names (agreed). A move that fails is logged, not raised:
-    the save of that update number then fails with ``GenerationExists`` instead."""
+    """All ranks: each filesystem leader (rank 0 on a shared tier) moves its copies of the
+    blocking rejections aside; returns the moved generation names (agreed). A move that fails
+    is logged, not raised: the save of that update number then fails with
+    ``GenerationExists`` instead (unless the move got past its marker: the save finishes it)."""
     moving = blocking(rejected, chosen, tier.url)
     if not moving:  # the same agreed inputs on every rank: all skip the all-gather together
         return []
     moved: list[str] = []
-    if comm.rank == comm.fs_leader:
+    # one copy serves every rank on a shared tier: one mover, never one per filesystem group
+    if comm.rank == (0 if tier.shared else comm.fs_leader):
         for problem in moving:
             try:
                 if tier.move_aside(problem) is not None:
                     moved.append(problem.generation)
-            except OSError as exc:
+            except (OSError, DistCkptError) as exc:  # a store's refusal, a marker not ours
                 log.error("cannot move rejected generation %s aside: %s", problem.generation, exc)
         if moved:
             repoint(tier, moved, rejected)

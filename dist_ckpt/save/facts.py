@@ -15,7 +15,7 @@ from .. import logs
 from ..context import Context
 from ..errors import CommitError
 from ..format.inventory import inspect_generation
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, REJECTED_MARKER_PREFIX
 from ..protocol.comm import PendingGather
 from ..protocol.messages import SaveFacts, SpaceFacts
 from ..storage.local import free_bytes
@@ -64,6 +64,8 @@ def _existing(ctx: Context, name: str) -> str | None:
     info = inspect_generation(store, name, digests=False, key=ctx.config.signing_key)
     if info.state == "committed":
         return "is already committed"
+    if (info.path or "").startswith(REJECTED_MARKER_PREFIX):
+        return None  # rejected, its move aside cut short: the tier's publish finishes it
     return (f"is present but invalid ({info.reason}); move it aside with "
             f"`dist-ckpt quarantine {ctx.config.root} {name}` (restore() does this for "
             f"generations newer than the one it loads)")

@@ -8,12 +8,14 @@ or ``storage_options``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from collections import deque
 from concurrent.futures import Future, wait
 from typing import IO, Any, BinaryIO
 
 import fsspec
+import fsspec.asyn
 
 from .. import logs
 from ..digests import hasher
@@ -209,6 +211,62 @@ class ObjectStore:
         if self.fs.exists(key):
             raise FileExistsError(f"{self.url(rel)} already exists")
         self.fs.pipe_file(key, data)
+
+    # ---- what moving a generation aside needs (``dist_ckpt.tiers.rejected_store``) -------
+    def find(self, rel: str) -> list[str]:
+        """Every object below ``rel``, as names relative to the root, sorted."""
+        prefix = f"{self.base}/"
+        try:
+            keys = self.fs.find(self._key(rel))
+        except FileNotFoundError:
+            return []
+        return sorted(key.removeprefix(prefix) for key in keys if key.startswith(prefix))
+
+    def copy(self, source: str, target: str) -> None:
+        """Copy one object inside the store (server side where the store can)."""
+        self.fs.copy(self._key(source), self._key(target))
+
+    def read_tagged(self, rel: str, limit: int) -> tuple[bytes, str | None]:
+        """``rel``'s bytes and the entity tag of exactly those bytes (one GET on S3; None
+        where the store has no tags). ``FileNotFoundError`` when missing; ``UnsafeFileError``
+        when over ``limit`` bytes (refused unread)."""
+        if self.protocol not in S3_PROTOCOLS:
+            self.checked_size(rel, limit=limit)
+            raw = self.read_bytes(rel)
+            if len(raw) > limit:  # it grew after the check
+                raise UnsafeFileError(f"{self.url(rel)}: {len(raw)} bytes, over the {limit} byte bound")
+            return raw, None
+        bucket, key = self._bucket_key(rel)
+
+        async def get() -> tuple[bytes, str]:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            async with response["Body"] as body:
+                if int(response["ContentLength"]) > limit:
+                    raise UnsafeFileError(f"{self.url(rel)}: {response['ContentLength']} bytes, over "
+                                          f"the {limit} byte bound (refused unread)")
+                return await body.read(), response["ETag"]
+
+        return fsspec.asyn.sync(self.fs.loop, get)
+
+    def remove_if_tagged(self, rel: str, tag: str | None) -> bool:
+        """Remove the object ``rel`` only while it still has entity tag ``tag`` (a conditional
+        delete on S3: an object created again since, with other bytes, is never removed).
+        Returns False when it is gone or holds other bytes. Stores without tags (``tag``
+        None) get an unconditional delete."""
+        if tag is None or self.protocol not in S3_PROTOCOLS:
+            existed = self.exists(rel)
+            self.remove_tree(rel)
+            return existed
+        bucket, key = self._bucket_key(rel)
+        try:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=tag)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:  # s3fs: PreconditionFailed is EINVAL
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+        return True
 
     def abort_uploads(self, rel: str) -> int:
         """Abort unfinished multipart uploads below ``rel`` (pruner only); returns the count."""

@@ -10,8 +10,10 @@ Protocol for generation ``G`` (docs/architecture.md, "Save"):
 2. rank 0, after every rank reported, uploads the signature into the attempt's directory,
    creates ``G/manifest.json`` with a conditional create (exactly one writer wins), checks
    the structure and the listed objects' sizes, then replaces ``latest.json``.
-Readers trust only generations whose manifest exists and whose objects verify; objects of
-failed attempts are orphans that only retention removes (``debris``).
+Readers trust only generations whose manifest exists, is named by no rejection marker and
+whose objects verify; objects of failed attempts are orphans that only retention removes
+(``debris``). A rejected generation is copied aside below ``rejected/`` (``move_aside``:
+``dist_ckpt.tiers.rejected_store``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from typing import Any
 
 from .. import faults, logs
 from ..errors import GenerationExists, StorageError
-from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, pending_dir_name
+from ..format.manifest import (
+    MANIFEST_NAME,
+    REJECTED_MARKER_PREFIX,
+    FileEntry,
+    Manifest,
+    pending_dir_name,
+)
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, check_structure, move_latest
 from ..storage import checksum
@@ -40,6 +48,7 @@ from .base import (
     remove_stale_pending,
     stale_uncommitted,
 )
+from .rejected_store import finish_marked, mark_and_move
 from .verified import VerifiedObjectReader
 
 log = logs.get(__name__)
@@ -125,7 +134,7 @@ class ObjectStoreAttempt:
         if signing_key is not None:  # inside this attempt: a losing writer's cannot replace it
             store.put_bytes(f"{self.generation}/{manifest.location(SIGNATURE_NAME)}", sign(signing_key, raw))
         try:
-            store.create_exclusive(f"{self.generation}/{MANIFEST_NAME}", raw)
+            self._create_manifest(raw)
         except FileExistsError as exc:
             raise GenerationExists(f"{self.generation} already exists under {store.root} "
                                    "(another writer committed it)") from exc
@@ -134,6 +143,17 @@ class ObjectStoreAttempt:
         check_sizes(store, self.generation, manifest)
         move_latest(store, manifest, raw)
         return raw
+
+    def _create_manifest(self, raw: bytes) -> None:
+        """The conditional create; a rejected manifest still in the way (its move aside was
+        cut short) is moved aside first, and the create tried once more."""
+        rel = f"{self.generation}/{MANIFEST_NAME}"
+        try:
+            self.tier.store.create_exclusive(rel, raw)
+        except FileExistsError:
+            if not finish_marked(self.tier.store, self.generation):
+                raise
+            self.tier.store.create_exclusive(rel, raw)
 
     def publish_copy(self, manifest_raw: bytes) -> None:
         pass  # one copy serves every rank (shared)
@@ -159,7 +179,7 @@ class ObjectStoreTier:
     direct_io = False  # the upload reads each file right after it is written
     kind = "object store"
     leaves_debris = True
-    keeps_rejected = False
+    keeps_rejected = True
     reshards = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
@@ -185,11 +205,17 @@ class ObjectStoreTier:
 
     def debris(self, committed: dict[str, Manifest], uncommitted: list[str]) -> list[str]:
         """Generations without a manifest older than the newest committed one (newer ones may
-        be uploads in flight), and attempt directories no committed manifest references."""
-        return stale_uncommitted(committed, uncommitted) + orphan_attempts(self.store, committed)
+        be uploads in flight), and attempt directories no committed manifest references. A
+        generation with a rejection marker is kept: its move aside was cut short, and
+        ``dist-ckpt quarantine`` (or a save of its update) finishes it."""
+        stale = [name for name in stale_uncommitted(committed, uncommitted)
+                 if not any(child.startswith(REJECTED_MARKER_PREFIX)
+                            for child in self.store.listdir(name))]
+        return stale + orphan_attempts(self.store, committed)
 
     def move_aside(self, problem: Problem) -> str | None:
-        return None  # nothing is renamed on a store; a rejected generation stays in place
+        """Copied below ``rejected/`` in restartable steps (``dist_ckpt.tiers.rejected_store``)."""
+        return mark_and_move(self.store, problem)
 
 
 register_tier(is_remote, lambda url, options: ObjectStoreTier(

@@ -7,6 +7,7 @@ Who calls it and when: ``dist_ckpt.restore.quarantine`` (restore) and ``dist-ckp
 A damaged file that restore replaced with a good copy of the same save goes to
 ``ROOT/rejected/<generation>-files-<UTC time>-<id>/<path>`` with its ``reason.txt``
 (``replace_file``, called by ``dist_ckpt.restore.repair``); its generation stays in place.
+An object store builds the same entry by copying: ``dist_ckpt.tiers.rejected_store``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Damaged bytes after a commit, in every kind of file, and a damaged or dangling latest
 pointer: a clear error naming the file, a fallback to the older generation, never a silent
-load (single process, rename tier)."""
+load (single process; the damaged files on a local and an s3:// root)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, ValidationError
 from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.manifest import LATEST_NAME, generation_name
 from dist_ckpt.format.validate import validate
-from dist_ckpt.tiers import open_tier
 from tests.helpers.local_jobs import make_state, two_generations
 from tests.helpers.matrix import record, timed
+from tests.helpers.roots import TwoGenRoot
 
 GEN1, GEN2 = generation_name(1), generation_name(2)
 TARGETS = {
@@ -45,14 +45,21 @@ def restore(root: str):
         return mgr.restore()
 
 
-@pytest.mark.parametrize("how", ["bitflip", "truncate"])
-@pytest.mark.parametrize("target", list(TARGETS))
-def test_damaged_file_is_named_and_skipped(tmp_path, capsys, target: str, how: str) -> None:
-    root = str(tmp_path)
-    two_generations(root)
+# every damage on a local root; on an s3:// root one flipped byte in each small file the
+# manifest or DCP needs first (each s3 case runs a job against moto; a missing shard on s3:
+# below, a flipped one: test_local_faults)
+CASES = [pytest.param("local", target, how) for target in TARGETS for how in ("bitflip", "truncate")]
+CASES += [pytest.param("s3", target, how, marks=pytest.mark.processes)
+          for target, how in [("dcp metadata", "bitflip"), ("manifest", "bitflip")]]
+
+
+@pytest.mark.parametrize("two_gen_root, target, how", CASES, indirect=["two_gen_root"])
+def test_damaged_file_is_named_and_skipped(two_gen_root: TwoGenRoot, capsys, target: str,
+                                           how: str) -> None:
+    root = two_gen_root.url
     rel = TARGETS[target]
-    damage(os.path.join(root, GEN2, rel), how)
-    store = open_tier(root).store
+    two_gen_root.damage(GEN2, rel, how)
+    store = two_gen_root.store
     started = time.perf_counter()
     with pytest.raises(ValidationError) as caught:
         validate(store, GEN2, digests=True)
@@ -68,13 +75,13 @@ def test_damaged_file_is_named_and_skipped(tmp_path, capsys, target: str, how: s
     assert result.generation == GEN1  # the fallback, in the same call
     assert [(p.generation, p.path) for p in result.rejected] == [(GEN2, named)]
     record("corrupted bytes", observed=f"{how} in {rel}: rejected naming {named}; restored {GEN1}",
-           detect_s=round(detect_s, 3), recover_s=round(recover_s, 3), target=target, how=how)
+           detect_s=round(detect_s, 3), recover_s=round(recover_s, 3), target=target, how=how,
+           root=two_gen_root.kind)
 
 
-def test_missing_shard_after_commit(tmp_path, capsys) -> None:
-    root = str(tmp_path)
-    two_generations(root)
-    os.unlink(os.path.join(root, GEN2, TARGETS["shard"]))
+def test_missing_shard_after_commit(two_gen_root: TwoGenRoot, capsys) -> None:
+    root = two_gen_root.url
+    two_gen_root.remove(GEN2, TARGETS["shard"])
     assert cli(["verify", root, GEN2]) == 1
     assert TARGETS["shard"] in capsys.readouterr().out
     result, recover_s = timed(lambda: restore(root))
@@ -82,7 +89,8 @@ def test_missing_shard_after_commit(tmp_path, capsys) -> None:
     assert [(p.generation, p.path) for p in result.rejected] == [(GEN2, TARGETS["shard"])]
     assert "missing" in result.rejected[0].reason
     record("missing shard after commit", observed=f"verify exit 1 naming {TARGETS['shard']}; "
-           f"restored {GEN1}", recover_s=round(recover_s, 3))
+           f"restored {GEN1} ({two_gen_root.kind} root)", recover_s=round(recover_s, 3),
+           root=two_gen_root.kind)
 
 
 @pytest.mark.parametrize("how", ["bitflip", "truncate", "garbage"])

@@ -17,34 +17,43 @@ from dist_ckpt import (
     faults,
 )
 from dist_ckpt.cli.app import main as cli
+from dist_ckpt.format.manifest import MANIFEST_NAME, REJECTED_DIR, read_latest_name
 from dist_ckpt.testing import tree_digest
 from tests.helpers.local_jobs import make_state, step, two_generations
+from tests.helpers.matrix import record, timed
+from tests.helpers.roots import GEN1, GEN2, TwoGenRoot
+
+SHARD = "dcp/__0_0.distcp"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "bitflip"])
-def test_corrupt_newest_shard_falls_back(tmp_path, damage: str) -> None:
-    root = str(tmp_path)
-    two_generations(root)
-    shard = os.path.join(root, "gen-000000000002", "dcp", "__0_0.distcp")
-    with open(shard, "r+b") as handle:
-        if damage == "truncate":
-            handle.truncate(os.path.getsize(shard) // 2)
-        else:
-            handle.seek(100)
-            byte = handle.read(1)
-            handle.seek(100)
-            handle.write(bytes([byte[0] ^ 0x01]))
-    assert cli(["verify", root, "gen-000000000002"]) == 1
+# on s3 the flipped byte only (found by the load itself, then moved aside like a truncated one)
+@pytest.mark.parametrize("two_gen_root, damage", [
+    ("local", "truncate"), ("local", "bitflip"),
+    pytest.param("s3", "bitflip", marks=pytest.mark.processes)], indirect=["two_gen_root"])
+def test_corrupt_newest_shard_falls_back(two_gen_root: TwoGenRoot, damage: str) -> None:
+    """Local and s3:// roots alike: the damaged newest is rejected naming the shard, moved
+    aside (kept, not deleted), and its update is saved again."""
+    root = two_gen_root.url
+    two_gen_root.damage(GEN2, SHARD, damage)
+    assert cli(["verify", root, GEN2]) == 1
     fresh = make_state()
     with CheckpointManager(CheckpointConfig(root=root), fresh) as mgr:
-        result = mgr.restore()
-    assert result.generation == "gen-000000000001"
-    assert result.next_update == 1
-    assert [(p.generation, p.path) for p in result.rejected] == [("gen-000000000002", "dcp/__0_0.distcp")]
-    # moved aside (kept, not deleted) so that update 2 can be saved again
-    assert not os.path.exists(os.path.join(root, "gen-000000000002"))
-    assert [n[:16] for n in os.listdir(os.path.join(root, "rejected"))] == ["gen-000000000002"]
-    assert cli(["verify", root, "gen-000000000001"]) == 0
+        result, recover_s = timed(mgr.restore)
+        assert result.generation == GEN1
+        assert result.next_update == 1
+        assert [(p.generation, p.path) for p in result.rejected] == [(GEN2, SHARD)]
+        assert not two_gen_root.store.exists(f"{GEN2}/{MANIFEST_NAME}")
+        assert [n[:16] for n in two_gen_root.rejected_entries()] == [GEN2]
+        assert read_latest_name(two_gen_root.store) == GEN1  # it named the generation moved
+        step(fresh)
+        mgr.save(2)  # the update the rejected generation held
+    with CheckpointManager(CheckpointConfig(root=root), make_state()) as mgr:
+        again = mgr.restore()
+    assert (again.generation, again.rejected) == (GEN2, [])
+    record("rejected generation blocks its update",
+           observed=f"{damage} in {SHARD} on a {two_gen_root.kind} root: moved aside to "
+                    f"{REJECTED_DIR}/; {GEN2} saved again", recover_s=round(recover_s, 3),
+           root=two_gen_root.kind, how=damage)
 
 
 def test_exception_before_rename_publishes_nothing(tmp_path) -> None:

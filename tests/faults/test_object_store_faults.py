@@ -1,5 +1,5 @@
-"""Faults on an object-store root: a corrupt object, two writers of one generation, and an
-object swapped between validation and load."""
+"""Faults on an object-store root: two writers of one generation, and an object swapped
+between validation and load (a corrupt object: ``test_local_faults``, on both kinds of root)."""
 
 from __future__ import annotations
 
@@ -15,20 +15,6 @@ from dist_ckpt.format.validate import read_manifest
 from dist_ckpt.storage.objectstore import ObjectStore
 from tests.helpers.local_jobs import make_state, step, two_generations
 from tests.helpers.matrix import record, timed
-
-
-def test_s3_corrupt_object_falls_back(s3_root: str) -> None:
-    two_generations(s3_root)
-    backend = ObjectStore(s3_root)
-    manifest_files = backend.fs.find(f"{backend.base}/gen-000000000002")
-    shard = next(f for f in manifest_files if f.endswith("__0_0.distcp"))
-    data = backend.fs.cat_file(shard)
-    backend.fs.pipe_file(shard, data[: len(data) // 2])
-    with CheckpointManager(CheckpointConfig(root=s3_root), make_state()) as mgr:
-        result = mgr.restore()
-    assert result.generation == "gen-000000000001"
-    assert result.rejected[0].generation == "gen-000000000002"
-    assert cli(["verify", s3_root, "gen-000000000002"]) == 1
 
 
 def test_two_writers_one_generation(s3_root: str) -> None:
