@@ -103,8 +103,11 @@ def install(comm: Comm, channel: str, seq: int, manifest: Manifest, source_dir: 
             missing.append(f"{entry.path}: {problem or 'not in this node memory'}; rank 0 offered "
                            f"none ({offered.error})")
             continue
-        data = comm.store_get(messages.replay_common_key(channel, seq, generation, entry.path))
-        problem = _install(generation, entry, data, target)
+        key = messages.replay_common_key(channel, seq, generation, entry.path)
+        if comm.store_wait([key], 0.0):  # withdrawn: this leader is past rank 0's deadline
+            missing.append(f"{entry.path}: the offer was withdrawn")
+            continue
+        problem = _install(generation, entry, comm.store_get(key), target)
         if problem is not None:
             missing.append(f"{entry.path}: the offered bytes: {problem}")
     if missing:
