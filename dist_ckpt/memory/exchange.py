@@ -21,10 +21,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from .. import logs
-from ..format.manifest import MANIFEST_NAME, Manifest, check_generation_name, pending_dir_name
-from ..storage.local import fsync_dir, write_durable
+from ..errors import ValidationError
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, check_generation_name, pending_dir_name
+from ..format.validate import check_entry
+from ..storage.local import file_digest, fsync_dir, write_durable
 from .peer import PeerChannel, PeerError
-from .plan import ExchangePlan
+from .plan import ExchangePlan, Transfer
 
 log = logs.get(__name__)
 
@@ -64,19 +66,25 @@ def run_exchange(plan: ExchangePlan, channel: PeerChannel, rank: int, places: Pl
     copied = 0
     for transfer in mine:
         entry = entries.get(transfer.path)
-        if transfer.source == rank:
-            root, _, directory = transfer.where.partition("/")
-            base = places.replica if root == "replica" else places.memory
-            local = os.path.join(base, directory, transfer.path)
+        into = os.path.join(places.fetched, plan.generation) if transfer.load_only else target
+        if transfer.source == transfer.destination:  # from this node's own replica
             try:
-                channel.send_file(transfer.destination, local, entry)
+                _copy_here(_local(places, transfer), os.path.join(into, transfer.path), plan.generation,
+                           transfer.path, entry)
+                outcome.received.append(transfer.path)
+                copied += not transfer.load_only
+            except (OSError, PeerError) as exc:
+                outcome.failures.append(f"node of rank {rank}: {exc}")
+            continue
+        if transfer.source == rank:
+            try:
+                channel.send_file(transfer.destination, _local(places, transfer), entry)
             except PeerError as exc:  # the receiver was told: it reports the failure
                 log.warning("%s", exc)
             except RuntimeError as exc:  # the transport: the walk cannot go on in step
                 outcome.failures.append(f"node of rank {rank}: sending to rank {transfer.destination}: {exc}")
                 break
             continue
-        into = os.path.join(places.fetched, plan.generation) if transfer.load_only else target
         try:
             channel.receive_file(transfer.source, os.path.join(into, transfer.path), plan.generation,
                                  transfer.path, entry)
@@ -105,6 +113,29 @@ def _install(plan: ExchangePlan, places: Places, target: str, exists: bool, *,
     fsync_dir(target)
     os.rename(target, os.path.join(places.memory, plan.generation))
     fsync_dir(places.memory)
+
+
+def _local(places: Places, transfer: Transfer) -> str:
+    root, _, directory = transfer.where.partition("/")
+    return os.path.join(places.replica if root == "replica" else places.memory, directory, transfer.path)
+
+
+def _copy_here(source: str, target: str, generation: str, name: str, entry: FileEntry | None) -> None:
+    """A file of this node's replica into its memory copy, checked as a received one is."""
+    if entry is None:
+        raise PeerError(f"{name} of {generation} is not listed: not copied")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    partial = f"{target}.part-{uuid.uuid4().hex[:8]}"
+    try:
+        shutil.copyfile(source, partial)
+        try:
+            check_entry(generation, name, entry, *file_digest(partial, entry.algorithm))
+        except ValidationError as exc:
+            raise PeerError(f"{name} in this node's replica fails its digest: {exc}") from exc
+        os.link(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def _manifest(directory: str) -> str | None:

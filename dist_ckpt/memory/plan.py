@@ -46,7 +46,7 @@ class Copy:
 @dataclass(frozen=True)
 class Transfer:
     path: str  # in the generation
-    source: int  # the sending leader's rank
+    source: int  # the sending leader's rank; the destination's own: a local copy
     where: str  # on the source: "memory/<directory>" or "replica/<directory>"
     destination: int  # the receiving leader's rank
     load_only: bool = False  # into the destination's fetched directory, not its memory copy
@@ -156,11 +156,12 @@ def _transfers(name: str, manifest: Manifest, manifest_raw: str, sources: list, 
 
 
 def _source(path: str, leader: int, name: str, sources: list, load: dict[int, int]) -> tuple[int, str] | None:
+    """The least-loaded holder of ``path``; the leader's own replica first (a local copy)."""
     holders = [(rank, where) for rank, where, files, _ in sources
-               if path in files and rank != leader]
+               if path in files and (rank, where) != (leader, f"memory/{name}")]
     if not holders:
         return None
-    rank, where = min(holders, key=lambda h: (load.get(h[0], 0), h[0], h[1]))
+    rank, where = min(holders, key=lambda h: (h[0] != leader, load.get(h[0], 0), h[0], h[1]))
     load[rank] = load.get(rank, 0) + 1
     return rank, where
 
