@@ -51,3 +51,15 @@ def test_secrets_are_never_shown() -> None:
     assert "short-secret" not in text and "hmac_key=(hidden): " in text
     text = message(root="x", storage_options="key=secret-value")
     assert "secret-value" not in text and "storage_options=(hidden): " in text
+
+
+def test_the_peer_backend_is_gloo_or_nccl_where_cuda_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    assert message(root="x", peer_backend="tcp") == \
+        "invalid CheckpointConfig: peer_backend='tcp': input should be 'gloo' or 'nccl'"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert message(root="x", peer_backend="nccl") == \
+        "invalid CheckpointConfig: peer_backend='nccl': needs CUDA on every rank (none here); use \"gloo\""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert CheckpointConfig(root="x", peer_backend="nccl").peer_backend == "nccl"

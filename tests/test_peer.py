@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from dist_ckpt.errors import ConfigError
 from dist_ckpt.format.manifest import FileEntry, Manifest
 from dist_ckpt.memory import peer
 from dist_ckpt.memory.plan import Copy, Transfer, plan_exchange
 from dist_ckpt.memory.replicas import ring_group_index, ring_groups_needed
+from dist_ckpt.memory.ring import peer_device
 from dist_ckpt.testing import run_ranks
 
 GEN = "gen-000000000003"
@@ -130,6 +132,15 @@ def test_the_plan_never_mixes_timelines_and_skips_an_incomplete_generation() -> 
     assert plan_exchange(held, [0, 1], MEMBERS, world_size=2) is None
     assert plan_exchange({0: {"memory": {GEN: Copy(raw, list(FILES), GEN)}}}, [0], {0: {0, 1}},
                          world_size=3) is None  # another world size: selection says why
+
+
+def test_nccl_without_cuda_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert peer_device("gloo") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="peer_backend='nccl' needs CUDA.*field peer_backend"):
+        peer_device("nccl")
 
 
 @pytest.mark.parametrize("nodes", [2, 3, 4, 5, 7])
