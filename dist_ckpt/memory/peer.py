@@ -68,6 +68,7 @@ class PeerChannel:
                 raise PeerError(f"{path} is {actual} bytes, {_expected(entry, size)}")
             self._send_size(dst, actual)
             if actual:
+                # sent from the page cache (tmpfs: the memory tier itself), no copy in between
                 with mmap.mmap(handle.fileno(), actual, access=mmap.ACCESS_READ) as view:
                     self._send_bytes(dst, view, actual)
         return actual
@@ -78,16 +79,10 @@ class PeerChannel:
     def _send_bytes(self, dst: int, view: mmap.mmap, size: int) -> None:
         with warnings.catch_warnings():  # a read-only mapping: torch warns, never writes into it
             warnings.simplefilter("ignore", UserWarning)
-            pending = None
             for offset in range(0, size, CHUNK):
                 chunk = torch.frombuffer(view, dtype=torch.uint8, offset=offset,
                                          count=min(CHUNK, size - offset)).to(self.device)
-                work = dist.isend(chunk, dst=dst, group=self.group)
-                if pending is not None:
-                    pending.wait()  # one chunk in flight while the next is handed over
-                pending = work
-            if pending is not None:
-                pending.wait()
+                dist.send(chunk, dst=dst, group=self.group)
             del chunk  # before the mapping closes: no tensor outlives it
 
     def receive_file(self, src: int, target: str, generation: str, name: str,
@@ -130,24 +125,16 @@ class PeerChannel:
         return int(box.item())
 
     def _receive_bytes(self, src: int, out: Any, size: int, digest: Any) -> None:
-        """Two buffers: one chunk arrives while the previous one is written and hashed."""
-        buffers = [torch.empty(min(CHUNK, size), dtype=torch.uint8, device=self.device) for _ in range(2)]
-        offsets = list(range(0, size, CHUNK))
-        works = [self._post(src, buffers[0], min(CHUNK, size))]
-        for index, offset in enumerate(offsets):
+        """Chunk by chunk into one buffer, written and hashed before the next (a second
+        buffer, receiving the next chunk meanwhile, measured no faster on loopback)."""
+        buffer = torch.empty(min(CHUNK, size), dtype=torch.uint8, device=self.device)
+        for offset in range(0, size, CHUNK):
             count = min(CHUNK, size - offset)
-            works[index].wait()
-            arrived = buffers[index % 2][:count]
-            if index + 1 < len(offsets):
-                following = offsets[index + 1]
-                works.append(self._post(src, buffers[(index + 1) % 2], min(CHUNK, size - following)))
-            data = memoryview(arrived.cpu().numpy())
+            dist.recv(buffer[:count], src=src, group=self.group)
+            data = memoryview(buffer[:count].cpu().numpy())
             out.write(data)
             if digest is not None:
                 digest.update(data)
-
-    def _post(self, src: int, buffer: torch.Tensor, count: int) -> Any:
-        return dist.irecv(buffer[:count], src=src, group=self.group)
 
 
 def _fits(size: int, entry: FileEntry | None, expected: int | None) -> bool:
