@@ -13,7 +13,7 @@ import pytest
 
 from dist_ckpt.errors import ConfigError
 from dist_ckpt.format.manifest import FileEntry, Manifest
-from dist_ckpt.memory import peer
+from dist_ckpt.memory import peer, replicas
 from dist_ckpt.memory.plan import Copy, Transfer, plan_exchange
 from dist_ckpt.memory.replicas import ring_group_index, ring_groups_needed
 from dist_ckpt.memory.ring import peer_device
@@ -163,3 +163,56 @@ def test_no_module_of_dist_ckpt_opens_a_socket_of_its_own() -> None:
             if any(n in ("socket", "socketserver", "http.server") for n in names):
                 importing.add(str(path.relative_to(package)))
     assert importing == {"testing.py"}
+
+
+class FakeChannel:
+    """Records sends; a receive writes the announced number of bytes."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, str, int | None]] = []
+
+    def send_file(self, dst: int, path: str, entry: object, size: int | None = None) -> int:
+        self.sent.append((dst, os.path.basename(path), size))
+        return size or 0
+
+    def receive_file(self, src: int, target: str, generation: str, name: str, entry: object,
+                     expected: int | None = None) -> int:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        Path(target).write_bytes(b"r" * (expected or 0))
+        return expected or 0
+
+
+def test_an_offer_nobody_takes_is_withdrawn_and_a_taken_one_is_sent_manifest_last(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dist_ckpt.protocol.comm import Comm
+
+    monkeypatch.setattr(replicas, "OFFER_WAIT_S", 0.05)
+    comm, channel = Comm(), FakeChannel()
+    (tmp_path / "shard").write_bytes(b"x" * 10)
+    (tmp_path / "manifest.json").write_bytes(b"{}")
+    sender = replicas.Sender(comm, channel, successor=1, done_wait_s=1)  # type: ignore[arg-type]
+    with pytest.raises(peer.PeerError, match="did not take the replica"):
+        sender.push(GEN, str(tmp_path), f".pending-{GEN}-ab", ["shard"])
+    assert channel.sent == []
+    # a receiver that comes late loses the compare-and-set: it never waits for the bytes
+    assert comm.store.compare_set("ring/accept/0/0", "", "accepted") == b"withdrawn"
+    comm.store.set("ring/accept/0/1", b"accepted")  # the next offer, taken and kept
+    comm.store.set("ring/done/0/1", b"ok")
+    sender.push(GEN, str(tmp_path), f".pending-{GEN}-cd", ["shard"])
+    assert channel.sent == [(1, "shard", 10), (1, "manifest.json", 2)]
+
+
+def test_a_received_replica_is_counted_and_a_bad_one_leaves_nothing(tmp_path) -> None:
+    from dist_ckpt.protocol.comm import Comm
+
+    comm = Comm()
+    receiver = replicas.Receiver(comm, FakeChannel(), predecessor=1, replica_root=str(tmp_path))  # type: ignore[arg-type]
+    files = [["dcp/__1_0.distcp", 7], ["manifest.json", 2]]
+    assert receiver._receive({"generation": GEN, "target": f".pending-{GEN}-ab", "files": files}) == "ok"
+    assert (tmp_path / f".pending-{GEN}-ab" / "dcp" / "__1_0.distcp").read_bytes() == b"r" * 7
+    assert comm.store.add(f"{replicas.REPLICATED_KEY}{GEN}", 0) == 1
+    for target, offered in ((f"../{GEN}", files), (f".pending-{GEN}-cd", [["../escaped", 3], *files])):
+        answer = receiver._receive({"generation": GEN, "target": target, "files": offered})
+        assert answer.startswith(f"the node of rank 0 kept no replica of {GEN}")
+    assert sorted(os.listdir(tmp_path)) == [f".pending-{GEN}-ab"]  # nothing else, no scratch
+    assert comm.store.add(f"{replicas.REPLICATED_KEY}{GEN}", 0) == 1
