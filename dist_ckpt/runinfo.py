@@ -57,6 +57,7 @@ class WorkerReport(TypedDict, total=False):
     next_update: int  # the update it resumed at
     resumed_tier: str | None  # the kind of tier the generation was read from ("memory", "local", ...)
     rejected: list[str]  # the restore's rejections, as text
+    repaired: str | None  # "repaired N file(s) of gen-... from <tier>", None when none was
     done: str  # the final generation ``finish()`` recorded in DONE.json
     failure: WorkerFailure
     memory_tier: bool  # the job saves to the node's memory tier

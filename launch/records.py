@@ -21,6 +21,7 @@ class StartRecord:
     resumed_from: str | None = None  # generation name, "fresh", or None when nobody reported
     resumed_update: int | None = None
     resumed_tier: str | None = None  # the kind of tier it was read from ("memory", "local", ...)
+    repaired: str | None = None  # "repaired N file(s) of gen-... from <tier>", None when none was
     final_update: int | None = None
     updates: int | None = None
     began_unix: float = 0.0
@@ -39,6 +40,8 @@ class StartRecord:
             self.resumed_from, f"resumed from {self.resumed_from}")
         if self.resumed_tier is not None and self.resumed_from not in (None, "fresh"):
             resumed += f" ({self.resumed_tier} tier)"
+        if self.repaired:
+            resumed += f" | {self.repaired}"
         low, _, high = self.nodes.partition(":")
         world = f"{low if high in ('', low) else self.nodes} x {self.procs_per_node}"
         if self.world_size is not None:

@@ -279,6 +279,7 @@ class Launcher:
             record.resumed_from = resumed[0]["resumed_from"] or "fresh"
             record.resumed_update = resumed[0].get("next_update")
             record.resumed_tier = resumed[0].get("resumed_tier")
+            record.repaired = resumed[0].get("repaired")
         # the newest generation committed in any tier: the root's pointer, or what rank 0
         # reported (with the memory tier, memory is ahead of the root)
         committed = [api.latest_update(self.run_dir)] + [

@@ -70,6 +70,13 @@ ROWS = [
         [f"{F}/test_corruption.py::test_damaged_file_is_named_and_skipped",
          f"{F}/test_corruption.py::test_damaged_latest_pointer_is_a_warning_not_a_choice",
          f"{F}/test_local_faults.py::test_corrupt_newest_shard_falls_back"]),
+    Row("damaged file, good copy elsewhere", "bit flip in / removal of a shard or .metadata of "
+        "the newest local generation, the S3 mirror holding it intact; a bit flip in an in-memory "
+        "shard, the root holding the same save",
+        "that generation restored (not its predecessor), the file and its source named, the damaged "
+        "copy kept under rejected/; no good copy, or only a re-save: the fallback as before",
+        [f"{F}/test_repair.py",
+         "tests/test_memory_tier.py::test_bit_flip_in_memory_is_repaired_from_the_root"]),
     Row("latest pointer to a missing generation", "generation directory removed",
         "fallback to the newest valid one, with a warning; never a silent fresh start",
         [f"{F}/test_corruption.py::test_latest_pointer_to_a_missing_generation"]),

@@ -79,6 +79,19 @@ def test_the_start_counts_the_newest_generation_of_any_tier(tmp_path) -> None:
     assert record.final_update == 900 and record.updates == 900
 
 
+def test_the_start_line_says_what_restore_repaired(tmp_path) -> None:
+    launcher = _launcher(tmp_path)
+    said = "repaired 1 file(s) of gen-000000000002 from mirror"
+    record = records.StartRecord(run_id="0001", start=2, max_starts=3, nodes="1", procs_per_node="1")
+    launcher._describe(record, {0: {"rank": 0, "resumed_from": "gen-000000000002", "next_update": 2,
+                                    "resumed_tier": "local", "repaired": said}}, None)
+    assert f"resumed from gen-000000000002 (local tier) | {said} | " in record.line()
+    plain = records.StartRecord(run_id="0001", start=2, max_starts=3, nodes="1", procs_per_node="1")
+    launcher._describe(plain, {0: {"rank": 0, "resumed_from": "gen-000000000002", "next_update": 2,
+                                   "repaired": None}}, None)
+    assert "repaired" not in plain.line()
+
+
 def test_memory_words_only_with_the_memory_tier(tmp_path) -> None:
     launcher = _launcher(tmp_path)
     off = records.StartRecord(run_id="0001", start=1, max_starts=3, nodes="1", procs_per_node="1")

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, ConfigError
-from dist_ckpt.format.manifest import MANIFEST_NAME
-from dist_ckpt.format.validate import list_generations
+from dist_ckpt.format.manifest import MANIFEST_NAME, REJECTED_DIR
+from dist_ckpt.format.validate import list_generations, validate
 from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import run_ranks
 from tests.helpers import memory_jobs
+from tests.helpers.matrix import record
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 RUN = "t0001"
@@ -57,18 +59,46 @@ def test_memory_holds_newest_root_every_nth_and_restore_uses_memory(saved) -> No
 def test_bit_flip_in_memory_falls_back_to_root(saved) -> None:
     root, shm_dir, trained = saved
     memory = os.path.join(trained["memory_root"], "gen-000000000005")
-    manifest = json.load(open(os.path.join(memory, MANIFEST_NAME)))
-    shard = max((f for f in manifest["files"] if f["path"].endswith(".distcp")), key=lambda f: f["size"])
-    with open(os.path.join(memory, shard["path"]), "r+b") as handle:
-        handle.seek(shard["size"] // 2)
-        byte = handle.read(1)[0]
-        handle.seek(shard["size"] // 2)
-        handle.write(bytes([byte ^ 0x10]))
+    flip_largest_shard(memory)  # the root never held it: no good copy anywhere
     ranks = run_ranks(2, memory_jobs.restore, root, shm_dir, RUN, timeout_s=180)
     assert {(r["generation"], r["tier"]) for r in ranks} == {("gen-000000000004", "local")}
     assert any(p.startswith("gen-000000000005") and shm_dir in p for p in ranks[0]["rejected"]), \
         ranks[0]["rejected"]
     assert not os.path.exists(memory), "the damaged in-memory generation is dropped"
+
+
+def test_bit_flip_in_memory_is_repaired_from_the_root(saved) -> None:
+    """The root holds the same save of the newest generation (copied there, as persistence
+    would): the damaged in-memory shard is replaced by the root's copy, kept aside under the
+    memory tier's ``rejected/``, and the newest generation loads from memory."""
+    root, shm_dir, trained = saved
+    newest = "gen-000000000005"
+    memory = os.path.join(trained["memory_root"], newest)
+    shutil.copytree(memory, os.path.join(root, newest))
+    shard = flip_largest_shard(memory)
+    ranks = run_ranks(2, memory_jobs.restore, root, shm_dir, RUN, timeout_s=180)
+    assert {(r["generation"], r["tier"]) for r in ranks} == {(newest, "memory")}
+    assert all(r["rejected"] == [] for r in ranks)
+    assert ranks[0]["repair_summary"] == f"repaired 1 file(s) of {newest} from root"
+    [(path, source, kept)] = ranks[0]["repaired"]
+    assert (path, source) == (shard, "root") and kept is not None
+    assert kept.startswith(os.path.join(trained["memory_root"], REJECTED_DIR, f"{newest}-files-"))
+    assert os.path.isfile(os.path.join(kept, shard))
+    validate(LocalStore(trained["memory_root"]), newest)
+    assert equal(ranks[0]["full"], trained["full"])
+    record("damaged file, good copy elsewhere", observed=f"bitflip in in-memory {shard} of {newest}, "
+           f"2 ranks: {ranks[0]['repair_summary']}; restored {newest} from memory")
+
+
+def flip_largest_shard(generation_dir: str) -> str:
+    manifest = json.load(open(os.path.join(generation_dir, MANIFEST_NAME)))
+    shard = max((f for f in manifest["files"] if f["path"].endswith(".distcp")), key=lambda f: f["size"])
+    with open(os.path.join(generation_dir, shard["path"]), "r+b") as handle:
+        handle.seek(shard["size"] // 2)
+        byte = handle.read(1)[0]
+        handle.seek(shard["size"] // 2)
+        handle.write(bytes([byte ^ 0x10]))
+    return shard["path"]
 
 
 def test_other_world_size_skips_memory_with_a_reason(saved) -> None:

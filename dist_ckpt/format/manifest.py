@@ -4,7 +4,8 @@ A generation directory is named ``gen-<next_update, 12 digits>``; its ``manifest
 written last and lists every file with its size and digest (BLAKE3; sha256 in older
 generations). ``latest.json`` at the root points at the newest validated generation. Every
 other name the library gives below a root is built and parsed here too: an attempt's pending
-directory ``.pending-G-<attempt>`` and a rejected generation's ``rejected/G-<time>-<id>/``.
+directory ``.pending-G-<attempt>``, a rejected generation's ``rejected/G-<time>-<id>/`` and
+the damaged files a restore replaced, ``rejected/G-files-<time>-<id>/``.
 
 Everything read here may be hostile: parsers raise ``ValidationError`` (never another
 exception), and ``regular_file_size`` refuses, without opening it, anything below a local root
@@ -83,7 +84,18 @@ def pending_update(name: str) -> int | None:
 def rejected_entry_name(generation: str) -> str:
     """A new name below ``REJECTED_DIR`` for ``generation``: ``<generation>-<UTC time>-<6 hex>``
     (one generation may be moved aside more than once)."""
-    return f"{generation}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+    return f"{generation}-{_entry_suffix()}"
+
+
+def _entry_suffix() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+
+
+def rejected_files_entry_name(generation: str) -> str:
+    """A new name below ``REJECTED_DIR`` for damaged files of ``generation`` that restore
+    replaced with a good copy (``dist_ckpt.restore.repair``): ``<generation>-files-<UTC
+    time>-<6 hex>``. Not a rejected generation: the generation itself stays committed."""
+    return f"{generation}-files-{_entry_suffix()}"
 
 
 def rejected_generation(entry: str) -> str | None:
@@ -252,6 +264,14 @@ class Manifest(BaseModel):
 
     def file(self, path: str) -> FileEntry | None:
         return next((f for f in self.files if f.path == path), None)
+
+    def identity(self) -> str:
+        """sha256 of what makes this the same save in every tier: the manifest without the
+        fields a tier rewrites when it holds a copy (``data_dir``). Two tiers' copies of a
+        generation are interchangeable file for file only when their identities are equal
+        (a re-save of the same update number is not)."""
+        fields = self.model_dump_json(exclude={"data_dir"}, exclude_none=True)
+        return hashlib.sha256(fields.encode("utf-8")).hexdigest()
 
 
 class LatestPointer(BaseModel):

@@ -160,8 +160,12 @@ def check_digests(store: StoreReader, generation: str, manifest: Manifest,
         if wanted is not None and entry.path not in wanted:
             continue
         rel = f"{generation}/{manifest.location(entry.path)}"
-        regular_file_size(store, rel, generation=generation, path=entry.path, checked_dirs=sound)
-        digest = store.digest(rel, entry.algorithm)
+        try:  # a missing file is named like a wrong one: restore repairs it from another tier
+            regular_file_size(store, rel, generation=generation, path=entry.path, checked_dirs=sound)
+            digest = store.digest(rel, entry.algorithm)
+        except (FileNotFoundError, StorageError) as exc:
+            raise ValidationError(f"{generation}: file {entry.path} is missing",
+                                  generation=generation, path=entry.path) from exc
         progress.advance(entry.size)
         check_entry(generation, entry.path, entry, entry.size, digest)
 

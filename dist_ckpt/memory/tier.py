@@ -13,6 +13,9 @@ What differs from a disk root:
   its reason) and uses the persistent root.
 - ``keeps_rejected`` is False: a rejected generation is deleted, not kept aside (RAM is not
   the place for evidence; the persistent root keeps its own copy of what was persisted).
+- A damaged file that restore repairs from the root or the mirror (``restore/repair.py``,
+  the rename tier's ``replace_file``) is kept under this directory's ``rejected/`` (one file,
+  until the launcher removes the run's directory): the generation stays in memory.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from ..tiers.base import CommitTier, GenerationReader
 from . import optim_targets
 from .layout import check_layout
 from .onepass import OnePassReader, own_shards
+from .repair import RepairedFile, repair_summary
 
 
 @dataclass
@@ -62,6 +63,12 @@ class RestoreResult:
     warnings: list[str] = field(default_factory=list)
     components: tuple[str, ...] = ()
     tier: str | None = None  # the kind of tier it was loaded from ("memory", "local", ...)
+    repaired: list[RepairedFile] = field(default_factory=list)  # files replaced by good copies
+
+    @property
+    def repair_summary(self) -> str | None:
+        """``repaired N file(s) of gen-... from <tier>``, or None."""
+        return repair_summary(self.repaired)
 
     @property
     def fresh(self) -> bool:
@@ -70,12 +77,15 @@ class RestoreResult:
 
 def select_generation(comm: Comm, tiers: list[CommitTier], *, digests: bool = True,
                      key: bytes | None = None, skip: frozenset[tuple[str, str]] = frozenset(),
-                     shards_on_load: bool = False
+                     shards_on_load: bool = False,
+                     repair: Callable[[CommitTier, Problem], bool] | None = None
                      ) -> tuple[str | None, Manifest | None, CommitTier | None, list[Problem]]:
     """The newest generation that validates in any tier (local first, then the mirror); with
     ``key``, only signed manifests validate. ``skip`` holds (generation, tier url) pairs
     already rejected by this restore. ``shards_on_load``: the DCP shard files are hashed by
-    the load itself (``OnePassReader``), so selection checks their sizes only."""
+    the load itself (``OnePassReader``), so selection checks their sizes only. ``repair``
+    (all ranks, with the agreed problem; ``restore/repair.py``): True when the file the
+    problem names was replaced by a good copy, and the generation is validated again."""
     rejected: list[Problem] = []
     listings = comm.broadcast([_listing(t.store) for t in tiers] if comm.rank == 0 else None)
     names = sorted(set().union(*listings), key=parse_generation, reverse=True)
@@ -86,6 +96,10 @@ def select_generation(comm: Comm, tiers: list[CommitTier], *, digests: bool = Tr
             verdict = validate_everywhere(comm, tier.store, name, digests=digests, key=key,
                                           shards_on_load=shards_on_load,
                                           same_world=not tier.reshards)
+            while isinstance(verdict, Problem) and repair is not None and repair(tier, verdict):
+                verdict = validate_everywhere(comm, tier.store, name, digests=digests, key=key,
+                                              shards_on_load=shards_on_load,
+                                              same_world=not tier.reshards)
             if isinstance(verdict, Problem):
                 verdict.tier = tier.url
                 rejected.append(verdict)

@@ -118,6 +118,7 @@ class OnePassReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         needed = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
         failure: ValidationError | None = None
+        rel = None
         try:
             pending = [(rel, self._verification(rel)) for rel in needed]
             for rel, verification in pending:
@@ -125,8 +126,9 @@ class OnePassReader(FileSystemReader):
         except ValidationError as exc:
             failure = exc
         except OSError as exc:  # an unreadable file fails the generation like a wrong one
-            failure = ValidationError(f"{self.generation}: cannot read a shard: {exc}",
-                                      generation=self.generation)
+            where = None if rel is None else f"{DCP_DIR}/{rel}"  # named: restore may repair it
+            failure = ValidationError(f"{self.generation}: cannot read shard {where}: {exc}",
+                                      generation=self.generation, path=where)
         verdicts = self.comm.all_gather(None if failure is None else (str(failure), failure.path))
         failed = {rank: v for rank, v in enumerate(verdicts) if v is not None}
         if failed:

@@ -1,11 +1,14 @@
 """``CheckpointManager.restore``: choose, vet and load the generation a job resumes from.
 
 Call order (all ranks, main thread, on the checkpoint group): ``select_generation`` (every
-rank agrees on the generation and the rejections); a signing key that rejects everything
+rank agrees on the generation and the rejections; a generation with one damaged or missing
+file is first repaired from another tier's copy of the same save, ``restore/repair.py``, and
+validated again); a signing key that rejects everything
 stops here; the leader of each filesystem group moves rejected generations newer than the
 chosen one aside; rank 0 checks the latest pointer (broadcast); ``load_generation`` and one
-all-gather of its verdict: a file that changed after validation (on any rank) rejects that
-generation and the next one is selected and loaded, within the same call; rank 0 logs the
+all-gather of its verdict: a file that changed after validation (on any rank) is repaired
+and the same generation loaded again, or, with no good copy, rejects that generation and the
+next one is selected and loaded, within the same call; rank 0 logs the
 outcome; every rank tells the launcher where it resumed from.
 """
 
@@ -35,6 +38,7 @@ from ..storage.base import read_bounded
 from ..tiers.base import CommitTier
 from . import quarantine
 from .loader import RestoreResult, load_generation, select_generation
+from .repair import Repairer
 
 log = logs.get("dist_ckpt.manager")
 
@@ -42,9 +46,11 @@ log = logs.get("dist_ckpt.manager")
 def resume(ctx: Context, components: Iterable[str] | None,
            allow_contract_change: bool | None, verify_digests: bool) -> RestoreResult:
     tiers = ctx.tiers.newest_first()
+    repair = Repairer(ctx.comm, ctx.tiers, ctx.config.signing_key)
     # with digests on, the shards are hashed by the load itself: every byte is read once
     select = functools.partial(select_generation, ctx.comm, tiers, digests=verify_digests,
-                               key=ctx.config.signing_key, shards_on_load=verify_digests)
+                               key=ctx.config.signing_key, shards_on_load=verify_digests,
+                               repair=repair)
     name, manifest, tier, rejected = select()
     faults.hit("restore.selected", ctx.comm.rank)
     if name is None and rejected and all(p.signature for p in rejected) \
@@ -63,6 +69,8 @@ def resume(ctx: Context, components: Iterable[str] | None,
         result, problem = _load_agreed(ctx, tier, name, manifest, wanted, allow, verify_digests)
         if problem is None:
             break
+        if repair(tier, problem):  # the same generation from the same tier, now whole
+            continue
         # its bytes changed after validation: rejected like any other, and the next one tried
         late.append(problem)
         name, manifest, tier, more = select(skip=frozenset((p.generation, p.tier or "") for p in late))
@@ -77,11 +85,12 @@ def resume(ctx: Context, components: Iterable[str] | None,
         result.rejected, result.warnings = rejected, notes + result.warnings
         resumed_from = name
         result.tier = tier.kind
+    result.repaired = list(repair.repaired)
     if ctx.comm.rank == 0:
         log_restore(result, f"{tier.url} ({tier.kind} tier)"
                            if resumed_from is not None and tier is not None else None)
     runinfo.report(ctx.comm.rank, resumed_from=resumed_from, next_update=result.next_update,
-                   resumed_tier=result.tier,
+                   resumed_tier=result.tier, repaired=result.repair_summary,
                    rejected=[str(p) for p in rejected])
     return result
 
@@ -143,5 +152,6 @@ def log_restore(result: RestoreResult, tier: str | None) -> None:
     if result.generation is None:
         log.info("restore: no generation validates; fresh start (%d rejected)", len(result.rejected))
     else:
-        log.info("restored %s (next_update %d) from %s; %d rejected", result.generation,
-                 result.next_update, tier, len(result.rejected))
+        repaired = result.repair_summary
+        log.info("restored %s (next_update %d) from %s; %d rejected%s", result.generation,
+                 result.next_update, tier, len(result.rejected), f"; {repaired}" if repaired else "")

@@ -31,7 +31,7 @@ import pickle
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from torch.distributed.checkpoint import FileSystemReader, StorageReader
 from torch.distributed.checkpoint.metadata import Metadata
@@ -142,6 +142,28 @@ class CommitTier(Protocol):
     def move_aside(self, problem: Problem) -> str | None:
         """Move a rejected generation out of the job's way, keeping its bytes; returns where
         it went, or None when this tier keeps nothing aside (it is left in place)."""
+
+
+@runtime_checkable
+class FileRepairs(Protocol):
+    """A tier whose committed generation can get one damaged or missing file replaced by a
+    good copy of the same save (``dist_ckpt.restore.repair``); a tier without these methods
+    is never repaired in place (an object-store root: restore reads another tier instead).
+
+    Call order (the ranks that hold the tier's copy: each filesystem leader, or rank 0 for
+    the root behind the memory tier; at restore, before any save of the job):
+    ``scratch = repair_dir(G)``; the caller writes the verified bytes below ``scratch``;
+    ``replace_file(G, manifest, path, scratch/path, reason)``; the caller removes ``scratch``."""
+
+    def repair_dir(self, generation: str) -> str:
+        """A new private local directory on the tier's own filesystem (so the install is a
+        rename); a crash leaves it for the start-up sweep of leftover attempts."""
+
+    def replace_file(self, generation: str, manifest: Manifest, path: str, fresh: str,
+                     reason: str) -> str | None:
+        """Install ``fresh`` (already verified against ``manifest``) as ``path`` of committed
+        ``generation``; the damaged copy, when there is one, is moved aside with ``reason``
+        first. Returns where it went (None: the file was missing)."""
 
 
 # ---- shared pieces of the implementations -------------------------------------------------

@@ -4,6 +4,9 @@ The rejected directory is renamed to ``ROOT/rejected/<generation>-<UTC time>-<id
 ``reason.txt`` (both names: ``dist_ckpt.format.manifest``); its bytes are kept as evidence and
 nothing reads it as a generation again.
 Who calls it and when: ``dist_ckpt.restore.quarantine`` (restore) and ``dist-ckpt quarantine``.
+A damaged file that restore replaced with a good copy of the same save goes to
+``ROOT/rejected/<generation>-files-<UTC time>-<id>/<path>`` with its ``reason.txt``
+(``replace_file``, called by ``dist_ckpt.restore.repair``); its generation stays in place.
 """
 
 from __future__ import annotations
@@ -11,7 +14,14 @@ from __future__ import annotations
 import os
 
 from .. import logs
-from ..format.manifest import REASON_NAME, REJECTED_DIR, parse_generation, rejected_entry_name
+from ..errors import UnsafeFileError
+from ..format.manifest import (
+    REASON_NAME,
+    REJECTED_DIR,
+    parse_generation,
+    rejected_entry_name,
+    rejected_files_entry_name,
+)
 from ..format.validate import Problem
 from ..storage.local import fsync_dir, write_durable
 
@@ -33,3 +43,31 @@ def move_aside(root: str, problem: Problem) -> str | None:
     fsync_dir(root)
     log.warning("moved rejected generation %s aside to %s", problem.generation, target)
     return target
+
+
+def replace_file(root: str, generation: str, rel: str, fresh: str, reason: str) -> str | None:
+    """Install ``fresh`` as ``root/<generation>/<rel>`` (a rename: ``fresh`` is on the same
+    filesystem), moving the file it replaces aside first; returns the entry that holds the
+    damaged copy, or None when there was none (a missing file)."""
+    target = os.path.join(root, generation, rel)
+    directory = os.path.join(root, generation)
+    for part in [""] + rel.split("/")[:-1]:  # never written through a link out of the root
+        directory = os.path.join(directory, part) if part else directory
+        if os.path.islink(directory):
+            raise UnsafeFileError(f"{generation}: {directory} is a symbolic link; {rel} not replaced",
+                                  generation=generation, path=rel)
+    kept = None
+    if os.path.lexists(target):
+        rejected_dir = os.path.join(root, REJECTED_DIR)
+        kept = os.path.join(rejected_dir, rejected_files_entry_name(generation))
+        os.makedirs(os.path.dirname(os.path.join(kept, rel)), exist_ok=True)
+        os.rename(target, os.path.join(kept, rel))
+        write_durable(os.path.join(kept, REASON_NAME), f"{generation}/{rel}: {reason}\n".encode())
+        fsync_dir(kept)
+        fsync_dir(rejected_dir)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(fresh, target)
+    fsync_dir(os.path.dirname(target))
+    log.warning("replaced %s/%s with a verified copy%s", generation, rel,
+                f"; the damaged one is in {kept}" if kept else "")
+    return kept

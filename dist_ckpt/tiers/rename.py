@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 
 from .. import faults, logs
 from ..digests import hasher
@@ -23,6 +24,8 @@ from ..format.manifest import (
     STATE_DIR,
     FileEntry,
     Manifest,
+    check_generation_name,
+    check_relative_path,
     parse_generation,
     pending_dir_name,
 )
@@ -39,7 +42,7 @@ from .base import (
     remove_stale_pending,
     stale_uncommitted,
 )
-from .rejected import move_aside
+from .rejected import move_aside, replace_file
 
 log = logs.get(__name__)
 COPY_CHUNK = 8 << 20
@@ -169,6 +172,17 @@ class RenameTier:
         if parse_generation(problem.generation) is None:
             return None
         return move_aside(self.root, problem)
+
+    def repair_dir(self, generation: str) -> str:
+        path = os.path.join(self.root, pending_dir_name(generation, f"repair-{uuid.uuid4().hex[:8]}"))
+        os.makedirs(path)
+        return path
+
+    def replace_file(self, generation: str, manifest: Manifest, path: str, fresh: str,
+                     reason: str) -> str | None:
+        check_generation_name(generation)
+        return replace_file(self.root, generation, manifest.location(check_relative_path(path)),
+                            fresh, reason)
 
 
 register_tier(lambda url: not is_remote(url),

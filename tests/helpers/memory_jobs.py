@@ -39,7 +39,9 @@ def restore(rank: int, world: int, root: str, shm_dir: str, run_id: str) -> dict
     with manager(job, root, memory_tier=True) as mgr:
         result = mgr.restore()
     return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
-            "rejected": [str(p) for p in result.rejected]}
+            "rejected": [str(p) for p in result.rejected],
+            "repaired": [(r.path, r.source, r.kept) for r in result.repaired],
+            "repair_summary": result.repair_summary}
 
 
 def record_listeners() -> list[str]:
