@@ -200,6 +200,7 @@ def test_an_offer_nobody_takes_is_withdrawn_and_a_taken_one_is_sent_manifest_las
     comm.store.set("ring/done/0/1", b"ok")
     sender.push(GEN, str(tmp_path), f".pending-{GEN}-cd", ["shard"])
     assert channel.sent == [(1, "shard", 10), (1, "manifest.json", 2)]
+    assert not comm.store.check(["ring/accept/0/1"]) and not comm.store.check(["ring/done/0/1"])
 
 
 def test_a_received_replica_is_counted_and_a_bad_one_leaves_nothing(tmp_path) -> None:

@@ -17,6 +17,8 @@ waiting for a partner that is not coming:
 3. once accepted, the files cross in the offer's order (``PeerChannel``), manifest last: a
    replica's commit point. The receiver counts the generation as replicated
    (``REPLICATED_KEY``) and answers in ``ring/done/<sender>/<n>``, which the sender waits for.
+   The offer's keys are deleted once read (a withdrawn offer's stay: the receiver steps
+   past ``n`` only after it saw offer ``n``).
 
 A replica's bytes are not checked on arrival (as any copy in memory: restore checks them
 against the manifest before use). Call order: ``Receiver.start`` on each leader at
@@ -92,6 +94,8 @@ class Sender:
         if self.comm.store_wait([done], self.done_wait_s):
             raise PeerError(f"the node of rank {self.successor} did not confirm the replica of {generation}")
         answer = store.get(done).decode()
+        for kind in ("accept", "done"):  # a long run leaves no key per push in the store
+            store.delete_key(_key(kind, self.comm.rank, number))
         if answer != "ok":
             raise PeerError(answer)
 
@@ -122,6 +126,7 @@ class Receiver:
                 accept = _key("accept", self.predecessor, number)
                 if self.comm.store.compare_set(accept, "", "accepted") == b"accepted":
                     offer = json.loads(self.comm.store.get(_key("offer", self.predecessor, number)))
+                    self.comm.store.delete_key(_key("offer", self.predecessor, number))
                     answer = self._receive(offer)
                     self.comm.store.set(_key("done", self.predecessor, number), answer.encode())
                 number += 1
