@@ -199,6 +199,11 @@ class CheckpointConfig(BaseModel):
                     "memory (replaced, or its launcher died) still restores from memory "
                     "(docs/memory-tier.md). Each node's leader sends its files to the next node in the "
                     "background.")
+    peer_backend: Literal["gloo", "nccl"] = Field(
+        default="gloo",
+        description="With `memory_tier` on more than one node: the torch.distributed backend of the "
+                    "process groups that carry files between node leaders (replicas, restore). `\"nccl\"` "
+                    "needs CUDA on every rank; `\"gloo\"` runs anywhere.")
     check_free_space: bool = Field(
         default=True,
         description="Refuse a save (`InsufficientSpace`) when the filesystem written to lacks room for one "
@@ -295,6 +300,15 @@ class CheckpointConfig(BaseModel):
             # no measured save cost before the first save: it needs a first interval
             raise FieldRuleError("save_every", self.save_every,
                                  "required with cadence='auto' (the first interval)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_peer_backend(self) -> CheckpointConfig:
+        import torch  # noqa: PLC0415 - only this check needs it
+
+        if self.peer_backend == "nccl" and not torch.cuda.is_available():
+            raise FieldRuleError("peer_backend", self.peer_backend, "needs CUDA on every rank (none here); "
+                                 "use \"gloo\"")
         return self
 
     @property

@@ -111,3 +111,15 @@ def test_mirror_every_needs_a_mirror() -> None:
         "invalid CheckpointConfig: mirror_every=2: needs mirror (an s3:// URL)"
     assert message(root="x", mirror="s3://b/m", mirror_every=0).startswith(
         "invalid CheckpointConfig: mirror_every=0: input should be greater than or equal to 1")
+
+
+def test_the_peer_backend_is_gloo_or_nccl_where_cuda_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    assert message(root="x", peer_backend="tcp") == \
+        "invalid CheckpointConfig: peer_backend='tcp': input should be 'gloo' or 'nccl'"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert message(root="x", peer_backend="nccl") == \
+        "invalid CheckpointConfig: peer_backend='nccl': needs CUDA on every rank (none here); use \"gloo\""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert CheckpointConfig(root="x", peer_backend="nccl").peer_backend == "nccl"

@@ -1,7 +1,8 @@
 """The memory tier on two nodes (one gloo rank each, each with its own shared-memory base, as
 on separate machines): restore from memory completes each node's copy from its peer, a node
 that lost its memory is rebuilt from the replica its ring neighbour holds, and a damaged or
-missing replica falls back to the persistent root."""
+missing replica falls back to the persistent root. The files cross on torch.distributed: no
+rank opens a listener of its own."""
 
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def test_two_nodes_restore_the_newest_generation_from_memory(tmp_path, kind: str
         assert shards == [f"dcp/__{r}_{i}.distcp" for r in (0, 1) for i in (0, 1)]  # tensors, small
         fetched = [path for r in ranks for path in r["load_files"]]
         assert fetched and all(path.endswith("_1.distcp") for path in fetched), fetched
+    # replicas pushed while training, files exchanged at restore: no TCP listener of dist_ckpt's
+    assert [r["listeners"] for r in trained + ranks] == [[]] * 4
 
 
 def test_a_node_that_lost_its_memory_is_rebuilt_from_its_replica(tmp_path) -> None:

@@ -1,88 +1,219 @@
-"""The memory tier's peer channel (``protocol/peer.py``): a node leader's files served to the
-other nodes, and pushes into its replica root only."""
+"""The memory tier's peer channel on torch.distributed (``memory/peer.py``): files between
+node leaders as tensors on a process group of their own, checked before they are installed;
+the restore exchange's plan (``memory/plan.py``); and no network listener of dist_ckpt's own."""
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import os
+from pathlib import Path
 
 import pytest
 
-from dist_ckpt.memory.peer import PeerError, PeerFiles, fetch, push
+from dist_ckpt.errors import ConfigError
+from dist_ckpt.format.manifest import FileEntry, Manifest
+from dist_ckpt.memory import peer, replicas
+from dist_ckpt.memory.plan import Copy, Transfer, plan_exchange
+from dist_ckpt.memory.replicas import ring_group_index, ring_groups_needed
+from dist_ckpt.memory.ring import peer_device
+from dist_ckpt.testing import run_ranks
 
-TOKEN = "t" * 32
-
-
-@pytest.fixture
-def server(tmp_path):
-    memory, replica = tmp_path / "memory", tmp_path / "replica"
-    (memory / "gen-000000000001" / "dcp").mkdir(parents=True)
-    (memory / "gen-000000000001" / "dcp" / "__0_0.distcp").write_bytes(b"shard" * 1000)
-    (tmp_path / "secret").write_bytes(b"outside the roots")
-    replica.mkdir()
-    files = PeerFiles({"memory": str(memory), "replica": str(replica)}, TOKEN, "127.0.0.1",
-                      writable=frozenset({"replica"}), max_put_bytes=1 << 20)
-    address = files.start()
-    yield files, address, tmp_path
-    files.close()
+GEN = "gen-000000000003"
+PAYLOAD = bytes(range(256)) * 41  # 10496 bytes: several chunks of the 4 KiB used here
 
 
-def test_a_file_is_fetched_whole_and_counted(server) -> None:
-    files, address, tmp_path = server
-    target = str(tmp_path / "out" / "shard")
-    assert fetch(address, TOKEN, "memory", "gen-000000000001/dcp/__0_0.distcp", target,
-                 max_bytes=1 << 20) == 5000
-    assert open(target, "rb").read() == b"shard" * 1000
-    assert files.served == 1
+def entry(path: str, data: bytes, rank: int = 0) -> FileEntry:
+    return FileEntry(path=path, size=len(data), sha256=hashlib.sha256(data).hexdigest(), rank=rank)
 
 
-@pytest.mark.parametrize("token, root, path, why", [
-    ("x" * 32, "memory", "gen-000000000001/dcp/__0_0.distcp", "bad token"),
-    (TOKEN, "memory", "../secret", "unsafe file name"),
-    (TOKEN, "memory", "/etc/passwd", "unsafe file name"),
-    (TOKEN, "elsewhere", "secret", "no root"),
-    (TOKEN, "memory", "gen-000000000001/missing", "No such file"),
-])
-def test_refused_requests_leave_no_file(server, token, root, path, why) -> None:
-    files, address, tmp_path = server
-    target = str(tmp_path / "out")
-    with pytest.raises(PeerError, match=why):
-        fetch(address, token, root, path, target, max_bytes=1 << 20)
-    assert not os.path.exists(target)
-    assert files.served == 0
+def transfers(rank: int, world: int, base: str) -> dict:
+    """Rank 0 sends, rank 1 receives, on one channel, in this order: a good file (4 KiB
+    chunks), a file whose bytes differ from its entry, an absent file, a file not the size
+    its entry says, a file over an existing name, then a good file again (still in step)."""
+    from dist_ckpt.protocol.comm import Comm
+
+    peer.CHUNK = 4096
+    comm = Comm(timeout_s=60)
+    channel = peer.PeerChannel(comm.new_group([0, 1], 60))
+    source, target = os.path.join(base, "source"), os.path.join(base, "target")
+    good = entry("dcp/a", PAYLOAD)
+    cases = [("a", good), ("flipped", entry("dcp/flipped", PAYLOAD)), ("absent", good),
+             ("short", good), ("exists", good), ("again", good)]
+    outcomes: dict[str, str] = {}
+    if rank == 0:
+        os.makedirs(source)
+        for name, data in (("a", PAYLOAD), ("flipped", PAYLOAD[:-1] + b"\0"), ("short", PAYLOAD[:100]),
+                           ("exists", PAYLOAD), ("again", PAYLOAD)):
+            Path(source, name).write_bytes(data)
+    comm.barrier()
+    for name, listed in cases:
+        try:
+            if rank == 0:
+                outcomes[name] = str(channel.send_file(1, os.path.join(source, name), listed))
+            else:
+                if name == "exists":
+                    os.makedirs(target, exist_ok=True)
+                    Path(target, name).write_bytes(b"kept")
+                size = channel.receive_file(0, os.path.join(target, name), GEN, listed.path, listed)
+                outcomes[name] = str(size)
+        except peer.PeerError as exc:
+            outcomes[name] = f"refused: {exc}"
+    comm.barrier()
+    comm.close()
+    left = sorted(os.listdir(target)) if rank == 1 else []
+    return {"outcomes": outcomes, "left": left}
 
 
-def test_a_file_larger_than_the_manifest_says_is_refused(server) -> None:
-    _, address, tmp_path = server
-    with pytest.raises(PeerError, match="more than the 100 expected"):
-        fetch(address, TOKEN, "memory", "gen-000000000001/dcp/__0_0.distcp", str(tmp_path / "out"),
-              max_bytes=100)
-    assert not os.path.exists(tmp_path / "out")
+@pytest.mark.processes
+def test_files_cross_whole_and_a_refused_one_leaves_nothing_and_keeps_the_pair_in_step(tmp_path) -> None:
+    sender, receiver = run_ranks(2, transfers, str(tmp_path), timeout_s=60)
+    got = receiver["outcomes"]
+    assert got["a"] == got["again"] == str(len(PAYLOAD))
+    assert (tmp_path / "target" / "a").read_bytes() == PAYLOAD
+    assert (tmp_path / "target" / "again").read_bytes() == PAYLOAD
+    assert "fails its digest" in got["flipped"]
+    assert "did not send it" in got["absent"] and "refused" in sender["outcomes"]["absent"]
+    assert "did not send it" in got["short"] and "not the 10496" in sender["outcomes"]["short"]
+    assert "cannot install" in got["exists"]
+    assert (tmp_path / "target" / "exists").read_bytes() == b"kept"  # never over an existing file
+    assert receiver["left"] == ["a", "again", "exists"]  # no partial file, no refused one
 
 
-def test_pushes_create_new_files_in_the_writable_root_only(server) -> None:
-    _, address, tmp_path = server
-    source = tmp_path / "mine"
-    source.write_bytes(b"replica bytes")
-    assert push(address, TOKEN, "replica", ".pending-gen-000000000002-ab/dcp/__1_0.distcp", str(source)) == 13
-    pushed = tmp_path / "replica" / ".pending-gen-000000000002-ab" / "dcp" / "__1_0.distcp"
-    assert pushed.read_bytes() == b"replica bytes"
-    with pytest.raises(PeerError, match="__1_0.distcp exists"):  # never over an existing name
-        push(address, TOKEN, "replica", ".pending-gen-000000000002-ab/dcp/__1_0.distcp", str(source))
-    with pytest.raises(PeerError, match="not writable"):
-        push(address, TOKEN, "memory", "gen-000000000001/dcp/__9_0.distcp", str(source))
-    with pytest.raises(PeerError, match="unsafe file name"):
-        push(address, TOKEN, "replica", "../escaped", str(source))
-    assert not (tmp_path / "escaped").exists()
-    assert pushed.read_bytes() == b"replica bytes"
-    assert not (tmp_path / "memory" / "gen-000000000001" / "dcp" / "__9_0.distcp").exists()
+def manifest_of(files: dict[str, int]) -> str:
+    entries = [entry(path, b"x" * 4, rank).model_dump(exclude_none=True) for path, rank in files.items()]
+    return Manifest.model_validate({
+        "format_version": 2, "generation": GEN, "next_update": 3, "tokens_seen": 0, "world_size": 2,
+        "components": [], "contract": {}, "contract_digest": "", "torch_version": "",
+        "dist_ckpt_version": "", "created_unix": 0, "save_duration_s": 0, "total_bytes": 0,
+        "files": entries}).to_bytes().decode()
 
 
-def test_a_push_over_the_size_bound_is_refused(server) -> None:
-    _, address, tmp_path = server
-    big = tmp_path / "big"
-    big.write_bytes(b"\0" * ((1 << 20) + 1))
-    # the refusal comes before the body is read: its reason, or a reset if the refusal's
-    # close reaches the sender first (TCP discards the reason then)
-    with pytest.raises(PeerError, match="bad size|cannot push"):
-        push(address, TOKEN, "replica", "big", str(big))
-    assert not (tmp_path / "replica" / "big").exists()
+FILES = {"dcp/.metadata": 0, "state/train_state.json": 0, "dcp/__0_0.distcp": 0, "dcp/__1_0.distcp": 1}
+MEMBERS = {0: {0}, 1: {1}}
+
+
+def test_the_plan_completes_a_lost_node_from_its_peers_replica_and_ships_the_shared_shards() -> None:
+    raw = manifest_of(FILES)
+    shared = ["dcp/__1_0.distcp"]  # holds an item stored once for every rank
+    held = {0: {"memory": {GEN: Copy(raw, ["dcp/.metadata", "state/train_state.json", "dcp/__0_0.distcp"],
+                                     GEN, shared)},
+                "replica": {GEN: Copy(raw, ["dcp/__1_0.distcp"], ".pending-gen-000000000003-ab")}},
+            1: {"memory": {}, "replica": {}}}  # node 1 lost its memory
+    plan = plan_exchange(held, [0, 1], MEMBERS, world_size=2)
+    assert plan is not None and plan.generation == GEN and plan.manifest == raw
+    assert plan.transfers == [  # node 0's load reads node 1's shared shard: its own replica's copy
+        Transfer("dcp/__1_0.distcp", 0, "replica/.pending-gen-000000000003-ab", 0, load_only=True),
+        Transfer("dcp/.metadata", 0, f"memory/{GEN}", 1),
+        Transfer("dcp/__1_0.distcp", 0, "replica/.pending-gen-000000000003-ab", 1),
+        Transfer("state/train_state.json", 0, f"memory/{GEN}", 1),
+    ]
+    # both nodes whole: node 0 still needs node 1's shared shard for its load, and only that;
+    # from its own replica of node 1 (a local copy) rather than across the network
+    whole = ["dcp/__1_0.distcp", "dcp/.metadata", "state/train_state.json"]
+    held[1] = {"memory": {GEN: Copy(raw, whole, GEN)}, "replica": {}}
+    plan = plan_exchange(held, [0, 1], MEMBERS, world_size=2)
+    assert plan is not None
+    assert plan.transfers == [Transfer("dcp/__1_0.distcp", 0, "replica/.pending-gen-000000000003-ab", 0,
+                                       load_only=True)]
+    del held[0]["replica"][GEN]
+    plan = plan_exchange(held, [0, 1], MEMBERS, world_size=2)
+    assert plan is not None
+    assert plan.transfers == [Transfer("dcp/__1_0.distcp", 1, f"memory/{GEN}", 0, load_only=True)]
+
+
+def test_the_plan_never_mixes_timelines_and_skips_an_incomplete_generation() -> None:
+    raw, other = manifest_of(FILES), manifest_of({**FILES, "dcp/__1_1.distcp": 1})
+    mine = [path for path, rank in FILES.items() if rank == 0]
+    held = {0: {"memory": {GEN: Copy(raw, mine, GEN)}, "replica": {}},
+            1: {"memory": {GEN: Copy(other, ["dcp/__1_0.distcp"], GEN)}, "replica": {}}}
+    assert plan_exchange(held, [0, 1], MEMBERS, world_size=2) is None  # another manifest on node 1
+    held[1] = {"memory": {}, "replica": {}}  # nobody holds node 1's shard
+    assert plan_exchange(held, [0, 1], MEMBERS, world_size=2) is None
+    assert plan_exchange({0: {"memory": {GEN: Copy(raw, list(FILES), GEN)}}}, [0], {0: {0, 1}},
+                         world_size=3) is None  # another world size: selection says why
+
+
+def test_nccl_without_cuda_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert peer_device("gloo") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="peer_backend='nccl' needs CUDA.*field peer_backend"):
+        peer_device("nccl")
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 4, 5, 7])
+def test_a_leader_never_sends_and_receives_on_one_ring_group(nodes: int) -> None:
+    groups = [ring_group_index(position, nodes) for position in range(nodes)]
+    assert max(groups) < ring_groups_needed(nodes)
+    assert all(groups[p] != groups[p - 1] for p in range(nodes))  # its send vs its receive
+
+
+def test_no_module_of_dist_ckpt_opens_a_socket_of_its_own() -> None:
+    """The peer channel is torch.distributed: no listener, no connection of dist_ckpt's
+    own (testing.py finds a free port for the tests' rendezvous; the object-store client
+    is s3fs's)."""
+    package = Path(__file__).resolve().parents[1] / "dist_ckpt"
+    importing = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n in ("socket", "socketserver", "http.server") for n in names):
+                importing.add(str(path.relative_to(package)))
+    assert importing == {"testing.py"}
+
+
+class FakeChannel:
+    """Records sends; a receive writes the announced number of bytes."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, str, int | None]] = []
+
+    def send_file(self, dst: int, path: str, entry: object, size: int | None = None) -> int:
+        self.sent.append((dst, os.path.basename(path), size))
+        return size or 0
+
+    def receive_file(self, src: int, target: str, generation: str, name: str, entry: object,
+                     expected: int | None = None) -> int:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        Path(target).write_bytes(b"r" * (expected or 0))
+        return expected or 0
+
+
+def test_an_offer_nobody_takes_is_withdrawn_and_a_taken_one_is_sent_manifest_last(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dist_ckpt.protocol.comm import Comm
+
+    monkeypatch.setattr(replicas, "OFFER_WAIT_S", 0.05)
+    comm, channel = Comm(), FakeChannel()
+    (tmp_path / "shard").write_bytes(b"x" * 10)
+    (tmp_path / "manifest.json").write_bytes(b"{}")
+    sender = replicas.Sender(comm, channel, successor=1, done_wait_s=1)  # type: ignore[arg-type]
+    with pytest.raises(peer.PeerError, match="did not take the replica"):
+        sender.push(GEN, str(tmp_path), f".pending-{GEN}-ab", ["shard"])
+    assert channel.sent == []
+    # a receiver that comes late loses the compare-and-set: it never waits for the bytes
+    assert comm.store.compare_set("ring/accept/0/0", "", "accepted") == b"withdrawn"
+    comm.store.set("ring/accept/0/1", b"accepted")  # the next offer, taken and kept
+    comm.store.set("ring/done/0/1", b"ok")
+    sender.push(GEN, str(tmp_path), f".pending-{GEN}-cd", ["shard"])
+    assert channel.sent == [(1, "shard", 10), (1, "manifest.json", 2)]
+    assert not comm.store.check(["ring/accept/0/1"]) and not comm.store.check(["ring/done/0/1"])
+
+
+def test_a_received_replica_is_counted_and_a_bad_one_leaves_nothing(tmp_path) -> None:
+    from dist_ckpt.protocol.comm import Comm
+
+    comm = Comm()
+    receiver = replicas.Receiver(comm, FakeChannel(), predecessor=1, replica_root=str(tmp_path))  # type: ignore[arg-type]
+    files = [["dcp/__1_0.distcp", 7], ["manifest.json", 2]]
+    assert receiver._receive({"generation": GEN, "target": f".pending-{GEN}-ab", "files": files}) == "ok"
+    assert (tmp_path / f".pending-{GEN}-ab" / "dcp" / "__1_0.distcp").read_bytes() == b"r" * 7
+    assert comm.store.add(f"{replicas.REPLICATED_KEY}{GEN}", 0) == 1
+    for target, offered in ((f"../{GEN}", files), (f".pending-{GEN}-cd", [["../escaped", 3], *files])):
+        answer = receiver._receive({"generation": GEN, "target": target, "files": offered})
+        assert answer.startswith(f"the node of rank 0 kept no replica of {GEN}")
+    assert sorted(os.listdir(tmp_path)) == [f".pending-{GEN}-ab"]  # nothing else, no scratch
+    assert comm.store.add(f"{replicas.REPLICATED_KEY}{GEN}", 0) == 1

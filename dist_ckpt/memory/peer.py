@@ -1,241 +1,151 @@
-"""Files of one node served to the other nodes of the job: the memory tier's peer channel.
+"""Files between node leaders over torch.distributed: the memory tier's peer channel.
 
-Each rank that leads a filesystem group (one per node) runs a :class:`PeerFiles` server in a
-daemon thread, over TCP on the address other nodes reach it by. A request names a root
-(``memory`` or ``replica``) and a relative path below it; the answer is the file's bytes, or,
-for a ``put`` into a root the server declared writable, the new file is written (never over an
-existing name). Nothing else: no listing, no links followed, no path outside the root. Every
-request carries the job's token (rank 0 draws it; every rank learns it in the collective that
-exchanges the addresses), so another process on the host cannot read the job's state.
+A file crosses as point-to-point tensors on a process group made for this purpose
+(``Comm.new_group``: gloo, or NCCL where the job runs on CUDA): first its size (one int64,
+-1 when the sender cannot send it), then its bytes in uint8 chunks of ``CHUNK``. No listener,
+no address, no token: the transport is the one torch.distributed already set up between
+exactly these processes.
 
-The bytes are not trusted: whoever fetched them checks them against the manifest (sizes and
-digests) before anything is loaded, as with any other tier.
+Both sides know what is expected before a transfer starts (the restore plan, or a replica
+offer): the file's size when the manifest lists it, else a bound. The sender sends the bytes
+only when its file satisfies that; the receiver reads them only when the size it is told
+does, so the two stay in step even when a file is refused.
 
-Call order: every rank constructs ``PeerFiles`` (only leaders ``start`` it) in the same
-collective that exchanges addresses (``memory/ring.py``); ``fetch`` from any thread of any
-rank while the server runs; ``close`` once, when the manager closes.
+The bytes are not trusted: the receiver hashes them as they arrive and checks size and
+digest against the manifest entry before the file takes its final name (``receive_file``).
+
+Call order: a transfer is ``send_file`` on the source and ``receive_file`` on the
+destination, on the same group; at most one transfer at a time per group and process (the
+callers order them: ``memory/exchange.py``, ``memory/replicas.py``).
 """
 
 from __future__ import annotations
 
-import hmac
-import json
+import mmap
 import os
-import socket
-import struct
-import threading
 import uuid
-from collections.abc import Callable
-from typing import BinaryIO
+import warnings
+from typing import Any
 
-from .. import logs
-from ..errors import DistCkptError
-from ..format.manifest import check_relative_path
+import torch
+import torch.distributed as dist
+
+from ..digests import hasher
+from ..errors import DistCkptError, ValidationError
+from ..format.manifest import FileEntry
+from ..format.validate import check_entry
 from ..storage.local import open_regular
 
-log = logs.get(__name__)
-
-MAX_REQUEST = 4096
-CHUNK = 8 << 20
-_LENGTH = struct.Struct("!q")  # the file's size, or -1 then a length-prefixed reason
+CHUNK = 32 << 20
+UNLISTED_BYTES = 1 << 20  # a file the manifest does not list (its signature): at most this
 
 
 class PeerError(DistCkptError):
-    """A peer did not serve a file (unreachable, refused, or the file is absent there)."""
+    """A file did not cross the peer channel (refused, absent there, or failed its check)."""
 
 
-class PeerFiles:
-    """The server side: ``roots`` maps a root name to a local directory."""
+class PeerChannel:
+    """Transfers on ``group`` (a ``Comm.new_group``); ``device`` is where the tensors live
+    (``cpu`` for gloo, the rank's CUDA device for NCCL)."""
 
-    def __init__(self, roots: dict[str, str], token: str, host: str, *,
-                 writable: frozenset[str] = frozenset(), max_put_bytes: int = 1 << 40) -> None:
-        self.roots = roots
-        self.writable = writable  # roots a peer may push new files into
-        self.max_put_bytes = max_put_bytes
-        self.token = token
-        self.host = host
-        self._listener: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._closed = threading.Event()
-        self.served = 0  # files served: tests and logs
-        self.address: tuple[str, int] | None = None
+    def __init__(self, group: Any, device: torch.device | None = None) -> None:
+        self.group = group
+        self.device = device or torch.device("cpu")
 
-    def start(self) -> tuple[str, int]:
-        listener = socket.create_server((self.host, 0))
-        listener.settimeout(0.5)  # wakes the accept loop to notice close()
-        self._listener = listener
-        self.address = (self.host, listener.getsockname()[1])
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="dist-ckpt-peer-files")
-        self._thread.start()
-        return self.address
+    def send_file(self, dst: int, path: str, entry: FileEntry | None, size: int | None = None) -> int:
+        """Send ``path`` to global rank ``dst``; returns its size. A file that is absent, not
+        regular, or not the size expected (``entry``'s, else ``size``, else at most
+        ``UNLISTED_BYTES``) is refused (the receiver is told) and raises."""
+        try:
+            handle = open_regular(path)
+        except (OSError, DistCkptError) as exc:
+            self._send_size(dst, -1)
+            raise PeerError(f"cannot send {path}: {exc}") from exc
+        with handle:
+            actual = os.fstat(handle.fileno()).st_size
+            if not _fits(actual, entry, size):
+                self._send_size(dst, -1)
+                raise PeerError(f"{path} is {actual} bytes, {_expected(entry, size)}")
+            self._send_size(dst, actual)
+            if actual:
+                # sent from the page cache (tmpfs: the memory tier itself), no copy in between
+                with mmap.mmap(handle.fileno(), actual, access=mmap.ACCESS_READ) as view:
+                    self._send_bytes(dst, view, actual)
+        return actual
 
-    def _serve(self) -> None:
-        assert self._listener is not None
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._answer, args=(conn,), daemon=True,
-                             name="dist-ckpt-peer-answer").start()
+    def _send_size(self, dst: int, size: int) -> None:
+        dist.send(torch.tensor([size], dtype=torch.int64, device=self.device), dst=dst, group=self.group)
 
-    def _answer(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as stream:
-            conn.settimeout(60)
-            try:
-                request = _read_request(stream)
-                path = self._resolve(request)
-                if request.get("op") == "put":
-                    self._receive(conn, stream, request, path)
-                    return
-                with open_regular(path) as handle:
-                    size = os.fstat(handle.fileno()).st_size
-                    conn.sendall(_LENGTH.pack(size))
-                    _send_from(conn, handle, size)
-                self.served += 1
-            except (OSError, ValueError, PeerError, DistCkptError) as exc:
-                log.warning("peer request refused: %s: %s", type(exc).__name__, exc)
-                reason = f"{type(exc).__name__}: {exc}".encode()[:1024]
-                try:
-                    conn.sendall(_LENGTH.pack(-1) + struct.pack("!I", len(reason)) + reason)
-                except OSError:
-                    pass
+    def _send_bytes(self, dst: int, view: mmap.mmap, size: int) -> None:
+        with warnings.catch_warnings():  # a read-only mapping: torch warns, never writes into it
+            warnings.simplefilter("ignore", UserWarning)
+            for offset in range(0, size, CHUNK):
+                chunk = torch.frombuffer(view, dtype=torch.uint8, offset=offset,
+                                         count=min(CHUNK, size - offset)).to(self.device)
+                dist.send(chunk, dst=dst, group=self.group)
+            del chunk  # before the mapping closes: no tensor outlives it
 
-    def _receive(self, conn: socket.socket, stream: BinaryIO, request: dict, path: str) -> None:
-        """A pushed file: only below the writable root, only a new name, at most its size."""
-        if request.get("root") not in self.writable:
-            raise PeerError(f"root {request.get('root')!r} is not writable")
-        size = request.get("size")
-        if not isinstance(size, int) or not 0 <= size <= self.max_put_bytes:
-            raise PeerError(f"bad size {size!r}")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if os.path.lexists(path):
-            raise PeerError(f"{request.get('path')} exists")
-        # a temporary name until every byte is in: a reader never sees a partial file under
-        # the final name (a replica's manifest arriving last is its commit point)
-        partial = f"{path}.part-{uuid.uuid4().hex[:8]}"
+    def receive_file(self, src: int, target: str, generation: str, name: str,
+                     entry: FileEntry | None, expected: int | None = None) -> int:
+        """Receive a file from global rank ``src`` as the new file ``target`` (never over an
+        existing one), checked against ``entry`` (size and digest) before it takes that name;
+        ``name`` is its path in ``generation``. Without an entry: ``expected`` bytes (else at
+        most ``UNLISTED_BYTES``), unchecked until a reader checks it against its manifest.
+        Returns its size; raises ``PeerError`` (nothing left at ``target``)."""
+        size = self._receive_size(src)
+        if size < 0:
+            raise PeerError(f"{name} of {generation}: the node of rank {src} did not send it")
+        if not _fits(size, entry, expected):  # the sender checks the same: nothing follows
+            raise PeerError(f"{name} of {generation} from the node of rank {src} is {size} bytes, "
+                            f"{_expected(entry, expected)}")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        partial = f"{target}.part-{uuid.uuid4().hex[:8]}"
+        digest = hasher(entry.algorithm) if entry is not None else None
         try:
             with open(partial, "xb") as out:
-                _receive_into(out, stream.read1, size, str(request.get("path")))  # type: ignore[attr-defined]
-            os.link(partial, path)  # never replaces an existing name
+                self._receive_bytes(src, out, size, digest)
+                out.flush()
+                os.fsync(out.fileno())
+            if entry is not None and digest is not None:
+                try:
+                    check_entry(generation, name, entry, size, digest.hexdigest())
+                except ValidationError as exc:
+                    raise PeerError(f"{name} from the node of rank {src} fails its digest: {exc}") from exc
+            os.link(partial, target)  # never over an existing file
+        except OSError as exc:
+            raise PeerError(f"cannot install {name} of {generation}: {exc}") from exc
         finally:
-            os.unlink(partial)
-        conn.sendall(_LENGTH.pack(0))
+            if os.path.exists(partial):
+                os.unlink(partial)
+        return size
 
-    def _resolve(self, request: dict) -> str:
-        if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token.encode()):
-            raise PeerError("bad token")
-        root = self.roots.get(str(request.get("root")))
-        if root is None:
-            raise PeerError(f"no root {request.get('root')!r}")
-        return os.path.join(root, check_relative_path(str(request.get("path"))))
+    def _receive_size(self, src: int) -> int:
+        box = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(box, src=src, group=self.group)
+        return int(box.item())
 
-    def close(self) -> None:
-        self._closed.set()
-        if self._listener is not None:
-            self._listener.close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-
-def _read_request(stream: BinaryIO) -> dict:
-    raw = stream.readline(MAX_REQUEST)
-    if not raw.endswith(b"\n"):
-        raise PeerError("bad request")
-    request = json.loads(raw)
-    if not isinstance(request, dict):
-        raise PeerError("bad request")
-    return request
+    def _receive_bytes(self, src: int, out: Any, size: int, digest: Any) -> None:
+        """Chunk by chunk into one buffer, written and hashed before the next (a second
+        buffer, receiving the next chunk meanwhile, measured no faster on loopback)."""
+        buffer = torch.empty(min(CHUNK, size), dtype=torch.uint8, device=self.device)
+        for offset in range(0, size, CHUNK):
+            count = min(CHUNK, size - offset)
+            dist.recv(buffer[:count], src=src, group=self.group)
+            data = memoryview(buffer[:count].cpu().numpy())
+            out.write(data)
+            if digest is not None:
+                digest.update(data)
 
 
-def _receive_into(out: BinaryIO, read: Callable[[int], bytes], size: int, what: str) -> None:
-    """``size`` bytes from ``read`` into ``out``, then fsynced."""
-    received = 0
-    while received < size:
-        chunk = read(min(CHUNK, size - received))
-        if not chunk:
-            raise PeerError(f"{what}: connection closed after {received} of {size} bytes")
-        out.write(chunk)
-        received += len(chunk)
-    out.flush()
-    os.fsync(out.fileno())
+def _fits(size: int, entry: FileEntry | None, expected: int | None) -> bool:
+    if entry is not None:
+        return size == entry.size
+    return size == expected if expected is not None else 0 <= size <= UNLISTED_BYTES
 
 
-def _send_from(conn: socket.socket, handle: BinaryIO, size: int) -> int:
-    """Up to ``size`` bytes of ``handle`` sent; returns how many (fewer if the file shrank)."""
-    sent = 0
-    while sent < size and (chunk := handle.read(min(CHUNK, size - sent))):
-        conn.sendall(chunk)
-        sent += len(chunk)
-    return sent
-
-
-def _reason(conn: socket.socket) -> str:
-    """A refusal's reason, after its -1 length (length-prefixed, at most 1024 bytes)."""
-    (length,) = struct.unpack("!I", _exactly(conn, 4))
-    return _exactly(conn, min(length, 1024)).decode(errors="replace")
-
-
-def _exactly(conn: socket.socket, count: int) -> bytes:
-    data = bytearray()
-    while len(data) < count:
-        chunk = conn.recv(min(CHUNK, count - len(data)))
-        if not chunk:
-            raise PeerError("connection closed early")
-        data += chunk
-    return bytes(data)
-
-
-def fetch(address: tuple[str, int], token: str, root: str, path: str, target: str, *,
-          max_bytes: int, exact: bool = False, timeout_s: float = 120.0) -> int:
-    """Copy ``root``/``path`` from the peer at ``address`` into the new file ``target``
-    (written and fsynced; removed on failure). ``exact``: it must be ``max_bytes`` long.
-    Returns its size; raises ``PeerError``."""
-    request = json.dumps({"token": token, "root": root, "path": path}).encode() + b"\n"
-    created = False
-    try:
-        with socket.create_connection(address, timeout=timeout_s) as conn:
-            conn.sendall(request)
-            (size,) = _LENGTH.unpack(_exactly(conn, _LENGTH.size))
-            if size < 0:
-                raise PeerError(f"{address[0]}:{address[1]} did not serve {root}/{path}: {_reason(conn)}")
-            if size > max_bytes or (exact and size != max_bytes):
-                raise PeerError(f"{root}/{path} at {address[0]}:{address[1]} is {size} bytes, "
-                                f"{'not' if exact else 'more than'} the {max_bytes} expected")
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "xb") as out:
-                created = True
-                _receive_into(out, conn.recv, size, f"{root}/{path}")
-            return size
-    except (OSError, PeerError) as exc:
-        if created:
-            os.unlink(target)
-        if isinstance(exc, PeerError):
-            raise
-        raise PeerError(f"cannot fetch {root}/{path} from {address[0]}:{address[1]}: {exc}") from exc
-
-
-def push(address: tuple[str, int], token: str, root: str, path: str, source: str, *,
-         timeout_s: float = 120.0) -> int:
-    """Send the local file ``source`` as the new file ``root``/``path`` at the peer; returns
-    its size; raises ``PeerError``."""
-    try:
-        with open_regular(source) as handle, socket.create_connection(address, timeout=timeout_s) as conn:
-            size = os.fstat(handle.fileno()).st_size
-            conn.sendall(json.dumps({"token": token, "root": root, "path": path, "op": "put",
-                                     "size": size}).encode() + b"\n")
-            sent = 0
-            try:
-                sent = _send_from(conn, handle, size)
-            except OSError:  # the peer refused before reading it all: its reason, if it sent one
-                pass
-            (answer,) = _LENGTH.unpack(_exactly(conn, _LENGTH.size))
-            if answer < 0:
-                raise PeerError(f"{address[0]}:{address[1]} refused {root}/{path}: {_reason(conn)}")
-            if sent != size:
-                raise PeerError(f"{root}/{path}: sent {sent} of {size} bytes")
-            return size
-    except OSError as exc:
-        raise PeerError(f"cannot push {root}/{path} to {address[0]}:{address[1]}: {exc}") from exc
+def _expected(entry: FileEntry | None, expected: int | None) -> str:
+    if entry is not None:
+        return f"not the {entry.size} its manifest says"
+    if expected is not None:
+        return f"not the {expected} announced"
+    return f"more than the {UNLISTED_BYTES} an unlisted file may have"

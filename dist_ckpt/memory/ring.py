@@ -8,14 +8,20 @@ rank's file). With ``memory_replica``, each node's leader also keeps a copy of i
 predecessor's files of the newest in-memory generation (``<memory root>.replica/G/``), so a
 node that lost its memory (a replaced machine, a launcher that died) is rebuilt from it.
 
+Every transfer crosses the peer channel (``memory/peer.py``) on process groups of the node
+leaders made for it (``Comm.new_group``, ``peer_backend``): one for the restore exchange, with
+the restore's deadline (the checkpoint group's timeout), and the ring groups of replication
+(``memory/replicas.py``), with ``RING_TIMEOUT_S``. No listener, no address, no token.
+
 Call order:
 - ``NodeRing(...)`` on every rank, once, after the filesystem groups are known (collective:
-  rank 0 draws the token; the leaders' server addresses are all-gathered);
+  every rank creates the groups, in the same order, when there is more than one node; each
+  leader starts its replica receiver);
 - ``push_newest`` then ``settle_replicas`` on each leader in the manager's pruning thread
   after each committed save, before the memory prune (so the generation being sent is never
   deleted meanwhile): this node's files of its newest committed in-memory generation go to
-  the ring successor, manifest last (a replica's commit point), and the leader counts it in
-  the store (one counter per generation); received replicas are renamed to their
+  the ring successor, manifest last (a replica's commit point), and the successor counts it
+  in the store (one counter per generation); received replicas are renamed to their
   generation's name and older ones dropped;
 - ``protected`` in the memory prune (leaders): this node keeps its own copy of the newest
   generation every leader has counted as replicated (and the newer ones), at most
@@ -23,72 +29,64 @@ Call order:
   on the way would leave no generation whole: its successor holds its previous one, and
   every other node already deleted theirs;
 - ``repair()`` on every rank at the start of ``restore()`` (collective): every leader's
-  holdings are all-gathered, the newest generation the nodes can complete is chosen (the
-  same plan on every rank), and each leader fetches what its node lacks into its memory copy.
-  Nothing fetched is trusted: selection and the load check sizes and digests as always;
-- ``fetch_for_load`` from the memory tier's reader while DCP loads (any rank): a shard file
-  this node does not hold, fetched from the node of the rank that wrote it;
+  inventory is all-gathered, rank 0 plans one exchange (``memory/plan.py``: the newest
+  generation the nodes can complete, which node sends which file to which) and broadcasts
+  it, and the leaders run it (``memory/exchange.py``). Each file is checked against the
+  manifest before it is installed; selection and the load check sizes and digests as always;
+- ``fetch_for_load`` from the memory tier's reader while DCP loads (any rank): another node's
+  shard file this node's load reads, as the exchange left it (nothing crosses the network then);
 - ``after_restore`` (every rank; leaders also ``drop_newer_replicas``), and ``close`` on every
   rank when the manager closes: the last push, then a store handshake so that a leader keeps
-  serving until its predecessor's last push is in.
+  receiving until its predecessor's last push is in.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
-import socket
 import threading
 import uuid
 
+import torch
+
 from .. import faults, logs
-from ..errors import ConfigError, DistCkptError, ValidationError
+from ..errors import ConfigError, DistCkptError
 from ..format.manifest import (
-    COMMON_FILES,
     MANIFEST_NAME,
     PENDING_PREFIX,
     Manifest,
-    check_generation_name,
     generation_name,
     parse_generation,
     pending_dir_name,
     pending_update,
 )
 from ..format.signing import SIGNATURE_NAME
-from ..format.validate import check_entry, list_generations
+from ..format.validate import list_generations
 from ..protocol.comm import Comm
-from ..storage.local import file_digest, fsync_dir, write_durable
-from .peer import PeerError, PeerFiles, fetch, push
+from .exchange import Outcome, Places, run_exchange
+from .peer import PeerChannel
+from .plan import ExchangePlan, inventory, plan_exchange
+from .replicas import REPLICATED_KEY, Receiver, Sender, ring_group_index, ring_groups_needed
 from .tier import MemoryTier, remove_newer
 
 log = logs.get(__name__)
-PEER_HOST_ENV = "DIST_CKPT_PEER_HOST"
-HELD = 2  # newest generations per root a leader reports at restore
 RING_KEEP = 2  # own committed in-memory generations a leader keeps for the ring at most
-REPLICATED_KEY = "ring/replicated/"  # + generation: how many leaders replicated it
-CLOSE_WAIT_S = 30.0  # how long a closing leader keeps serving its predecessor's last push
+RING_TIMEOUT_S = 120.0  # the ring groups' deadline for one transfer
+CLOSE_WAIT_S = 30.0  # how long a closing leader keeps receiving its predecessor's last push
 
 
-def peer_host(one_host: bool) -> str:
-    """The address this node's server listens on: ``DIST_CKPT_PEER_HOST``; else loopback when
-    every rank runs on this host; else the local address of the route to ``MASTER_ADDR`` (a
-    name's own address is often a loopback alias, 127.0.1.1, that other nodes cannot reach)."""
-    if os.environ.get(PEER_HOST_ENV):
-        return os.environ[PEER_HOST_ENV]
-    if one_host:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((os.environ.get("MASTER_ADDR") or socket.gethostname(), 1))  # sends nothing
-        address = probe.getsockname()[0]
-    if address.startswith("127."):
-        raise ConfigError(f"the memory tier's peer address on {socket.gethostname()} is {address}, "
-                          f"which other nodes cannot reach: set {PEER_HOST_ENV}")
-    return address
+def peer_device(backend: str) -> torch.device:
+    """Where the peer channel's tensors live: the CPU for gloo, this rank's GPU for NCCL."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ConfigError(f"peer_backend={backend!r} needs CUDA on every rank (this one has none); "
+                      "use \"gloo\" (field peer_backend)")
 
 
 class NodeRing:
-    def __init__(self, comm: Comm, tier: MemoryTier, *, replicate: bool) -> None:
+    def __init__(self, comm: Comm, tier: MemoryTier, *, replicate: bool, backend: str = "gloo") -> None:
         self.comm = comm
         self.tier = tier
         self.replica_root = tier.root.rstrip("/") + ".replica"
@@ -97,43 +95,49 @@ class NodeRing:
         self.is_leader = comm.rank == comm.fs_leader
         self.nodes = len(self.leaders)
         self.replicating = replicate and self.nodes > 1
-        self.server: PeerFiles | None = None
-        self.token = ""
-        self.addresses: dict[int, tuple[str, int]] = {}
-        if self.nodes > 1:  # the same on every rank: one node needs no server, no collective
-            self._start_servers()
         position = self.leaders.index(comm.fs_leader)
         self.successor = self.leaders[(position + 1) % self.nodes]  # holds this node's replica
         self.predecessor = self.leaders[position - 1]  # whose replica this node holds
+        self.channel: PeerChannel | None = None  # the restore exchange's (leaders)
+        self.sender: Sender | None = None
+        self.receiver: Receiver | None = None
+        if self.nodes > 1:  # the same on every rank: one node needs no group, no collective
+            self._open_groups(backend, position)
         self._pushed: str | None = None
-        self.fetched = 0  # files this rank fetched from peers for a restore (logs, tests)
+        self.fetched = 0  # files this rank received from peers for a restore (logs, tests)
         self.repair_failures: list[str] = []  # why a node's copy could not be completed
         self.fetched_for_load: list[str] = []  # other nodes' shard files this rank's loads read
         self.push_lock = threading.Lock()
         self.fetched_dir = tier.root.rstrip("/") + ".fetched"  # shards of other nodes, per load
 
-    def _start_servers(self) -> None:
-        """All ranks (collective): rank 0 draws the token; each leader starts its server; the
-        addresses are all-gathered, and a server that failed to start fails every rank."""
+    def _open_groups(self, backend: str, position: int) -> None:
+        """All ranks (collective): the leaders' groups, created by every rank in the same
+        order; a rank that cannot use ``backend`` fails every rank before any is created."""
         comm = self.comm
-        self.token = comm.broadcast(secrets.token_hex(16) if comm.rank == 0 else None)
-        one_host = len(set(comm.all_gather(socket.gethostname()))) == 1
-        started: tuple[str, int] | str | None = None
-        if self.is_leader:
-            try:  # every rank reaches the all-gather below, whatever fails here
-                os.makedirs(self.replica_root, exist_ok=True)
-                self.server = PeerFiles({"memory": self.tier.root, "replica": self.replica_root},
-                                        self.token, peer_host(one_host), writable=frozenset({"replica"}))
-                started = self.server.start()
-            except (OSError, ConfigError) as exc:
-                started = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
-        gathered = comm.all_gather(started)
-        failed = [g for g in gathered if isinstance(g, str)]
-        if failed:
-            if self.server is not None:
-                self.server.close()
-            raise ConfigError(f"memory tier peer servers did not start: {'; '.join(failed)}")
-        self.addresses = {r: tuple(a) for r, a in enumerate(gathered) if a is not None}
+        try:
+            device: torch.device | str = peer_device(backend)
+        except ConfigError as exc:
+            device = str(exc)
+        refused = {rank: d for rank, d in enumerate(comm.all_gather(str(device) if isinstance(device, str)
+                                                                    else None)) if d is not None}
+        if refused:  # on every rank: none waits in a group the others never create
+            raise ConfigError(f"{next(iter(refused.values()))}; refused by rank(s) "
+                              f"{', '.join(map(str, sorted(refused)))}")
+        assert isinstance(device, torch.device)
+        restore = comm.new_group(self.leaders, comm.timeout_s, backend)
+        rings = [comm.new_group(self.leaders, RING_TIMEOUT_S, backend)
+                 for _ in range(ring_groups_needed(self.nodes))]
+        if not self.is_leader:
+            return
+        os.makedirs(self.replica_root, exist_ok=True)
+        self.channel = PeerChannel(restore, device)
+        if self.replicating:
+            self.sender = Sender(comm, PeerChannel(rings[ring_group_index(position, self.nodes)], device),
+                                 self.successor, RING_TIMEOUT_S + 60)
+            behind = (position - 1) % self.nodes
+            self.receiver = Receiver(comm, PeerChannel(rings[ring_group_index(behind, self.nodes)], device),
+                                     self.predecessor, self.replica_root)
+            self.receiver.start()
 
     def _committed(self) -> list[str]:
         """This node's in-memory generations with their manifest, newest first."""
@@ -150,7 +154,7 @@ class NodeRing:
         successor, manifest last, once. It runs in the pruning thread before the memory prune,
         so the generation being sent is never deleted meanwhile; an older one not sent yet is
         skipped (only the newest is kept)."""
-        if not self.replicating or not self.is_leader:
+        if self.sender is None:  # not a replicating leader, or its transport failed
             return
         with self.push_lock:  # the pruning pass and close's last one
             self._push_newest()
@@ -170,17 +174,14 @@ class NodeRing:
             if 0 in group and os.path.exists(os.path.join(directory, SIGNATURE_NAME)):
                 paths.append(SIGNATURE_NAME)
             faults.hit("ring.push", self.comm.rank)
-            for path in [*paths, MANIFEST_NAME]:  # the manifest last: a replica's commit point
-                push(self.addresses[self.successor], self.token, "replica", f"{target}/{path}",
-                     os.path.join(directory, path))
+            assert self.sender is not None
+            self.sender.push(newest, directory, target, paths)  # the manifest last: the commit point
             self._pushed = newest
         except (OSError, DistCkptError) as exc:  # a missed replica costs a restore from the root
             log.warning("no replica of %s on the node of rank %d: %s", newest, self.successor, exc)
-            return
-        try:
-            self.comm.store.add(f"{REPLICATED_KEY}{newest}", 1)
-        except Exception:  # noqa: BLE001 - uncounted: the peers keep more, never less
-            log.warning("could not count the replica of %s", newest, exc_info=True)
+        except RuntimeError as exc:  # the transport failed mid-file: the pair is out of step
+            log.warning("replication to the node of rank %d stopped: %s", self.successor, exc)
+            self.sender = None
 
     def protected(self) -> frozenset[str]:
         """Leaders (pruning or persistence thread, in the memory prune): this node's own
@@ -234,152 +235,52 @@ class NodeRing:
 
     # ---- restore (all ranks) ---------------------------------------------------------------
     def holdings(self) -> dict:
-        """A leader's newest in-memory generations and replicas: per root, generation ->
-        (manifest, files held, directory name)."""
-        held: dict[str, dict[str, tuple[str, list[str], str]]] = {}
-        for root_name, root in (("memory", self.tier.root), ("replica", self.replica_root)):
-            found = [(n, n) for n in self._committed()] if root_name == "memory" else _received(root)
-            held[root_name] = {}
-            for name, directory in found:
-                if name in held[root_name]:
-                    continue
-                path = os.path.join(root, directory)
-                try:
-                    with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as handle:
-                        raw = handle.read()
-                except (OSError, UnicodeDecodeError):
-                    continue
-                held[root_name][name] = (raw, _files_below(path), directory)
-                if len(held[root_name]) == HELD:
-                    break
-        return held
+        """A leader's inventory (``memory/plan.py``): its newest in-memory generations and
+        replicas, with the files each holds."""
+        return inventory({"memory": [(n, n) for n in self._committed()],
+                          "replica": _received(self.replica_root)},
+                         {"memory": self.tier.root, "replica": self.replica_root})
 
     def repair(self) -> None:
-        """Complete every node's memory copy of the newest generation the nodes can complete
-        (collective). No-op on one node."""
+        """Complete every node's memory copy of the newest generation the nodes can complete,
+        and give each node the other nodes' shard files its load reads (collective, one
+        planned exchange). No-op on one node."""
         if self.nodes == 1:
             return
         gathered = self.comm.all_gather(self.holdings() if self.is_leader else None)
-        held = {rank: h for rank, h in enumerate(gathered) if h is not None}
-        plan = self._plan(held)
+        plan: ExchangePlan | None = None
+        if self.comm.rank == 0:
+            held = {rank: h for rank, h in enumerate(gathered) if h is not None}
+            try:
+                members = {leader: self._members(leader) for leader in self.leaders}
+                plan = plan_exchange(held, self.leaders, members, self.comm.world_size)
+            except Exception:  # noqa: BLE001 - no plan: restore reads what each node holds
+                log.exception("memory tier: the restore exchange could not be planned")
+        plan = self.comm.broadcast(plan)
         if plan is None:
             return
-        generation, manifest_raw, fetches = plan
-        outcome = None
-        if self.is_leader and fetches.get(self.comm.rank):
-            outcome = self._apply(generation, manifest_raw, fetches[self.comm.rank])
-        outcomes = [o for o in self.comm.all_gather(outcome) if o]
-        self.repair_failures = outcomes
+        outcome = Outcome()
+        if self.is_leader and self.channel is not None:
+            outcome = run_exchange(plan, self.channel, self.comm.rank,
+                                   Places(self.tier.root, self.replica_root, self.fetched_dir))
+        self.fetched += len(outcome.received)
+        failures = [f for failed in self.comm.all_gather(outcome.failures) for f in failed]
+        self.repair_failures = failures
         if self.comm.rank == 0:
-            fetched = sum(len(f) for f in fetches.values())
-            log.info("memory tier: %s completed on %d node(s) from peers (%d file(s))%s", generation,
-                     sum(1 for f in fetches.values() if f), fetched,
-                     f"; failed: {'; '.join(outcomes)}" if outcomes else "")
-
-    def _plan(self, held: dict[int, dict]) -> tuple[str, str, dict[int, list[tuple[str, int, str]]]] | None:
-        """The same on every rank: (generation, manifest, per leader [(path, source leader,
-        source root)]) for the newest generation every node can complete; None when nothing
-        needs fetching or nothing can be completed."""
-        names = {n for h in held.values() for root in h.values() for n in root}
-        for name in sorted(names, key=parse_generation, reverse=True):
-            copies = [(rank, root, h[root][name]) for rank, h in sorted(held.items())
-                      for root in ("memory", "replica") if name in h[root]]
-            manifest_raw = copies[0][2][0]
-            try:
-                manifest = Manifest.from_bytes(manifest_raw.encode(), generation=name)
-            except Exception:  # noqa: BLE001 - a damaged copy: the next generation
-                continue
-            if manifest.world_size != self.comm.world_size:
-                continue  # selection rejects it with its reason
-            sources = [(rank, f"{root}/{directory}", set(files))
-                       for rank, root, (raw, files, directory) in copies if raw == manifest_raw]
-            fetches: dict[int, list[tuple[str, int, str]]] = {}
-            complete = True
-            for leader in self.leaders:
-                ranks = self._members(leader)
-                mine = held.get(leader, {}).get("memory", {}).get(name)
-                if mine is not None and mine[0] != manifest_raw:
-                    complete = False  # another timeline's copy of that name: never mixed
-                    break
-                have = set(mine[1]) if mine is not None else set()
-                needed = {f.path for f in manifest.files if f.rank in ranks or f.path in COMMON_FILES}
-                if 0 in ranks and any(SIGNATURE_NAME in files for _, _, files in sources):
-                    needed.add(SIGNATURE_NAME)
-                for path in sorted(needed - have):
-                    source = next(((r, where) for r, where, files in sources
-                                   if path in files and (r, where) != (leader, f"memory/{name}")), None)
-                    if source is None:
-                        complete = False
-                        break
-                    fetches.setdefault(leader, []).append((path, *source))
-                if not complete:
-                    break
-            if complete:
-                return (name, manifest_raw, fetches) if fetches else None
-        return None
-
-    def _apply(self, generation: str, manifest_raw: str, fetches: list[tuple[str, int, str]]) -> str | None:
-        """Fetch into this node's memory copy; a new copy is renamed into place manifest-last."""
-        check_generation_name(generation)
-        final = os.path.join(self.tier.root, generation)
-        exists = os.path.isdir(final)
-        target = final if exists else os.path.join(
-            self.tier.root, pending_dir_name(generation, uuid.uuid4().hex[:8]))
-        manifest = Manifest.from_bytes(manifest_raw.encode(), generation=generation)
-        entries = {f.path: f for f in manifest.files}
-        try:
-            if exists:
-                with open(os.path.join(final, MANIFEST_NAME), encoding="utf-8") as handle:
-                    if handle.read() != manifest_raw:
-                        raise PeerError(f"{generation} here has another manifest: left as it is")
-            for path, source, where in fetches:
-                temporary = os.path.join(target, path + f".fetch-{uuid.uuid4().hex[:8]}")
-                root, _, directory = where.partition("/")
-                entry = entries.get(path)
-                fetch(self.addresses[source], self.token, root, f"{directory}/{path}", temporary,
-                      max_bytes=entry.size if entry else 1 << 20, exact=entry is not None)
-                try:
-                    if entry is not None:
-                        try:
-                            check_entry(generation, path, entry, *file_digest(temporary, entry.algorithm))
-                        except ValidationError as exc:
-                            raise PeerError(f"{path} from the node of rank {source} fails its digest: "
-                                            f"{exc}") from exc
-                    os.link(temporary, os.path.join(target, path))  # never over an existing file
-                finally:
-                    os.unlink(temporary)
-                self.fetched += 1
-            if not exists:
-                write_durable(os.path.join(target, MANIFEST_NAME), manifest_raw.encode())
-                fsync_dir(target)
-                os.rename(target, final)
-            fsync_dir(self.tier.root)
-            return None
-        except (OSError, PeerError) as exc:
-            if not exists:
-                shutil.rmtree(target, ignore_errors=True)
-            return f"node of rank {self.comm.rank}: {exc}"
+            receivers = {t.destination for t in plan.transfers}
+            log.info("memory tier: %s completed on %d node(s) from peers (%d file(s))%s", plan.generation,
+                     len(receivers), len(plan.transfers),
+                     f"; failed: {'; '.join(failures)}" if failures else "")
 
     def fetch_for_load(self, generation: str, manifest: Manifest, path: str) -> str | None:
-        """A local path holding ``path`` of ``generation``, fetched from the node of the rank
-        that wrote it; None when no node can serve it."""
-        entry = next((f for f in manifest.files if f.path == path), None)
-        if entry is None or self.nodes == 1 or entry.rank >= len(self.leader_of):
+        """A local path holding another node's shard file ``path`` of ``generation``, as the
+        restore exchange left it; None when it did not (the load reports the file missing)."""
+        if self.nodes == 1:
             return None
         target = os.path.join(self.fetched_dir, generation, path)
-        if os.path.exists(target):
-            return target
-        source = self.leader_of[entry.rank]
-        temporary = f"{target}.{uuid.uuid4().hex[:8]}"
-        try:
-            fetch(self.addresses[source], self.token, "memory", f"{generation}/{path}", temporary,
-                  max_bytes=entry.size)
-            os.replace(temporary, target)
-            self.fetched += 1
-            self.fetched_for_load.append(path)
-        except PeerError as exc:
-            log.warning("%s", exc)
+        if not os.path.exists(target):
             return None
+        self.fetched_for_load.append(path)
         return target
 
     def after_restore(self) -> None:
@@ -387,19 +288,20 @@ class NodeRing:
 
     def close(self, after_error: bool = False) -> None:
         """Every rank, after the manager's pruning thread ended (this node's pushes are over).
-        A leader says so in the store, then keeps serving until its predecessor said the same
-        (bounded): the last push of a run is not cut off by the receiver closing first.
+        A leader says so in the store, then keeps receiving until its predecessor said the
+        same (bounded): the last push of a run is not cut off by the receiver closing first.
         ``after_error``: the job is failing (a peer may be gone): no push, no wait."""
         if not after_error:
             self.push_newest()  # the run's last generation, if the pruning thread had not sent it yet
-        if self.server is not None:
+        if self.receiver is not None:
             if not after_error:
                 try:
                     self.comm.store_set(f"ring/pushed/{self.comm.rank}", b"1")
                     self.comm.store_wait([f"ring/pushed/{self.predecessor}"], CLOSE_WAIT_S)
                 except Exception:  # noqa: BLE001 - a store gone with rank 0: close at once
                     log.warning("ring close handshake skipped", exc_info=True)
-            self.server.close()
+            if not self.receiver.close(CLOSE_WAIT_S if not after_error else 1.0):
+                log.warning("the ring's receiver is still receiving at close")
         self.after_restore()
 
 
@@ -432,11 +334,3 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
-
-
-def _files_below(directory: str) -> list[str]:
-    found = []
-    for parent, _dirs, files in os.walk(directory):
-        for name in files:
-            found.append(os.path.relpath(os.path.join(parent, name), directory))
-    return sorted(found)

@@ -102,7 +102,8 @@ class MemoryTierRunner:
             self.persister.on_copied = self.prune_root
         if comm.rank == 0:
             self.persister.on_settled = self.prune_memory
-        self.ring = NodeRing(comm, self.tier, replicate=self.config.memory_replica)
+        self.ring = NodeRing(comm, self.tier, replicate=self.config.memory_replica,
+                             backend=self.config.peer_backend)
         self.tier.peers = self.ring
         return self.persister
 

@@ -72,8 +72,9 @@ class MemoryTier(RenameTier):
 
 class _NodeFilesReader(LocalFilesReader):
     """The node's copy in place; a shard file only another node holds (DCP wrote a
-    replicated tensor into one rank's file) is fetched from it. Unverified either way: the
-    one-pass reader hashes every file it loads from."""
+    replicated tensor into one rank's file) is the copy the restore exchange received
+    (``memory/ring.py``). Unverified either way: the one-pass reader hashes every file it
+    loads from."""
 
     def __init__(self, tier: MemoryTier, generation: str, manifest: Manifest) -> None:
         super().__init__(tier.store, generation, manifest,

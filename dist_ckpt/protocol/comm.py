@@ -3,7 +3,8 @@
 Foreground collectives (agreement at ``save()``, planning, restore) run on a dedicated gloo
 group created once by :class:`Comm` (all ranks construct it together). Background work never
 runs a collective: ranks report through the c10d store, whose waits take deadlines and
-poison nothing when they time out.
+poison nothing when they time out. Groups for one purpose (the memory tier's peer channel:
+point-to-point file transfers between node leaders) come from :meth:`Comm.new_group`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,19 @@ class Comm:
         self.fs_leader = 0
         self.fs_group = list(range(self.world_size))
         self.root_group_has_rank0 = True
+        self._groups: list[Any] = []  # new_group's, destroyed by close
+
+    def new_group(self, ranks: list[int], timeout_s: float, backend: str = "gloo") -> Any:
+        """A process group of ``ranks`` for one purpose (all ranks call it, in the same order,
+        whether members or not: torch requires it). Returns the group on its members, None
+        elsewhere and when not distributed. ``close`` destroys it."""
+        if not self.distributed:
+            return None
+        group = dist.new_group(ranks=sorted(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
+        if self.rank not in ranks:
+            return None
+        self._groups.append(group)
+        return group
 
     def probe_shared_root(self, root: str) -> None:
         """Find which ranks see the same ``root`` (all ranks, collective).
@@ -161,12 +175,15 @@ class Comm:
         noexcept destructor (std::terminate, SIGABRT). A job that destroyed the default group
         first has shut ours down with it; then only the reference is dropped.
         """
-        group, self.group = self.group, None
-        if group is None:
-            return
-        if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
-            dist.destroy_process_group(group)
-        del group  # the last reference: the C++ group is destroyed now
+        groups, self._groups = [*self._groups, self.group], []
+        self.group = None
+        while groups:
+            group = groups.pop()
+            if group is None:
+                continue
+            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
+            del group  # the last reference: the C++ group is destroyed now
 
 
 class PendingGather:

@@ -240,7 +240,7 @@ class SmallItemsApartWriter(FileSystemWriter):
     that loads it then reads that small file, not the rank's whole shard. A verified restore
     hashes every file it reads from, so with one file per rank an FSDP restore hashed twice
     the bytes on one rank; an object-store restore downloaded them, and another node of the
-    memory tier fetched them (``memory/ring.py``)."""
+    memory tier received them (``memory/plan.py``)."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if _split_by_size_and_type is None or not hasattr(self, "_write_data"):

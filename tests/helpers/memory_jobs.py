@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 
 import torch.distributed as dist
 
@@ -61,6 +62,21 @@ def restore(rank: int, world: int, root: str, shm_dir: str, run_id: str) -> dict
             "repair_summary": result.repair_summary}
 
 
+def record_listeners() -> list[str]:
+    """The TCP listeners Python code of this process opens from now on (``socket.listen``
+    is where every one starts: ``create_server`` and socketserver call it). torch's store
+    and gloo's transport listen in C++: they do not count."""
+    opened: list[str] = []
+    original = socket.socket.listen
+
+    def listen(sock: socket.socket, *args: int) -> None:
+        opened.append(f"{sock.getsockname()}")
+        original(sock, *args)
+
+    socket.socket.listen = listen  # type: ignore[method-assign]
+    return opened
+
+
 def node_dir(shm_dir: str, rank: int) -> str:
     """One rank per node: each rank's memory tier lives in its own base directory, as on
     separate machines (two filesystem groups, each its own leader)."""
@@ -75,6 +91,7 @@ def node_train(rank: int, world: int, root: str, shm_dir: str, run_id: str, step
     all under the default). ``lost_push``: from that update's save on, rank 0's node sends no
     replica (as if it died while sending): every earlier pass finished before."""
     _env(node_dir(shm_dir, rank), run_id)
+    listeners = record_listeners()
     if small_item_bytes is not None:
         shardio.SMALL_ITEM_BYTES = small_item_bytes
     job = build(kind, rank, world)
@@ -88,19 +105,21 @@ def node_train(rank: int, world: int, root: str, shm_dir: str, run_id: str, step
                 faults.configure({"ring.push": {"rank": 0, "raise": True}})
             mgr.save(update)
         memory_root = mgr.tiers.target.local_root
-    return {"full": full_state(job), "memory_root": memory_root}
+    return {"full": full_state(job), "memory_root": memory_root, "listeners": listeners}
 
 
 def node_restore(rank: int, world: int, root: str, shm_dir: str, run_id: str,
                  kind: str = "fsdp", verify_digests: bool = True) -> dict:
     _env(node_dir(shm_dir, rank), run_id)
+    listeners = record_listeners()
     job = build(kind, rank, world, seed=99)
     with manager(job, root, memory_tier=True) as mgr:
         result = mgr.restore(verify_digests=verify_digests)
         ring = mgr.memory.ring
     return {"generation": result.generation, "tier": result.tier, "full": full_state(job),
             "rejected": [str(p) for p in result.rejected], "fetched": ring.fetched,
-            "repair_failures": ring.repair_failures, "load_files": ring.fetched_for_load}
+            "repair_failures": ring.repair_failures, "load_files": ring.fetched_for_load,
+            "listeners": listeners}
 
 
 def node_root(base: str, rank: int) -> str:

@@ -1,0 +1,177 @@
+"""Ring replication of the memory tier over the peer channel, in the background.
+
+Each node leader sends its files of its newest committed in-memory generation to its ring
+successor, which keeps them as a replica (``<memory root>.replica/``). Transfers run on the
+leaders' ring groups (``ring_group_index``): the pair "leader i sends to leader i+1" always
+uses one group, and a leader's sends and receives use different groups, so a transfer never
+runs beside another operation of its own group in that process; never the training group.
+
+A push is agreed in the c10d store first, so that neither side blocks in the transport
+waiting for a partner that is not coming:
+
+1. the sender writes an offer (``ring/offer/<sender>/<n>``: generation, directory, files and
+   sizes, the manifest last);
+2. the successor's receiver thread, which watches for offer ``n`` of its predecessor, takes it
+   with a compare-and-set of ``ring/accept/<sender>/<n>`` to ``accepted``; a sender that waited
+   ``OFFER_WAIT_S`` in vain sets it to ``withdrawn`` the same way (one of the two wins);
+3. once accepted, the files cross in the offer's order (``PeerChannel``), manifest last: a
+   replica's commit point. The receiver counts the generation as replicated
+   (``REPLICATED_KEY``) and answers in ``ring/done/<sender>/<n>``, which the sender waits for.
+   The offer's keys are deleted once read (a withdrawn offer's stay: the receiver steps
+   past ``n`` only after it saw offer ``n``).
+
+A replica's bytes are not checked on arrival (as any copy in memory: restore checks them
+against the manifest before use). Call order: ``Receiver.start`` on each leader at
+construction and ``Receiver.close`` at close; ``push`` from one thread at a time (the ring's
+push lock).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Callable
+
+from .. import logs
+from ..errors import DistCkptError
+from ..format.manifest import MANIFEST_NAME, check_relative_path, pending_update
+from ..protocol.comm import Comm
+from .peer import PeerChannel, PeerError
+
+log = logs.get(__name__)
+REPLICATED_KEY = "ring/replicated/"  # + generation: how many leaders replicated it
+OFFER_WAIT_S = 10.0  # how long a sender waits for its successor to take an offer
+POLL_S = 0.5  # a receiver's wait for the next offer, between checks for close
+
+
+def ring_group_index(position: int, nodes: int) -> int:
+    """The ring group of the pair "leader at ``position`` sends to the next": alternating
+    0 and 1, and 2 for the last pair of an odd ring (its successor sends on 0)."""
+    return 2 if nodes % 2 and position == nodes - 1 else position % 2
+
+
+def ring_groups_needed(nodes: int) -> int:
+    return 0 if nodes < 2 else 2 + nodes % 2
+
+
+def _key(kind: str, sender: int, number: int) -> str:
+    return f"ring/{kind}/{sender}/{number}"
+
+
+class Sender:
+    """A leader's pushes to its successor, on the group of its pair."""
+
+    def __init__(self, comm: Comm, channel: PeerChannel, successor: int, done_wait_s: float) -> None:
+        self.comm = comm
+        self.channel = channel
+        self.successor = successor
+        self.done_wait_s = done_wait_s  # the transfer's deadline, plus the receiver's install
+        self.number = 0
+
+    def push(self, generation: str, directory: str, target: str, paths: list[str]) -> None:
+        """Send ``paths`` of ``directory`` and its manifest as the replica ``target``; raises
+        ``PeerError`` when the successor did not take them or did not keep them."""
+        number, self.number = self.number, self.number + 1
+        files = [(path, os.path.getsize(os.path.join(directory, path))) for path in [*paths, MANIFEST_NAME]]
+        store = self.comm.store
+        store.set(_key("offer", self.comm.rank, number),
+                  json.dumps({"generation": generation, "target": target, "files": files}).encode())
+        if self.comm.store_wait([_key("accept", self.comm.rank, number)], OFFER_WAIT_S):
+            taken = store.compare_set(_key("accept", self.comm.rank, number), "", "withdrawn")
+            if taken != b"accepted":
+                raise PeerError(f"the node of rank {self.successor} did not take the replica of {generation}")
+        elif store.get(_key("accept", self.comm.rank, number)) != b"accepted":
+            raise PeerError(f"the replica of {generation} was withdrawn")
+        for path, size in files:
+            try:
+                self.channel.send_file(self.successor, os.path.join(directory, path), None, size)
+            except PeerError as exc:  # the receiver was told, and answers with its failure
+                log.warning("%s", exc)
+        done = _key("done", self.comm.rank, number)
+        if self.comm.store_wait([done], self.done_wait_s):
+            raise PeerError(f"the node of rank {self.successor} did not confirm the replica of {generation}")
+        answer = store.get(done).decode()
+        for kind in ("accept", "done"):  # a long run leaves no key per push in the store
+            store.delete_key(_key(kind, self.comm.rank, number))
+        if answer != "ok":
+            raise PeerError(answer)
+
+
+class Receiver:
+    """A leader's thread receiving its predecessor's pushes into ``replica_root``."""
+
+    def __init__(self, comm: Comm, channel: PeerChannel, predecessor: int, replica_root: str,
+                 on_replica: Callable[[], None] | None = None) -> None:
+        self.comm = comm
+        self.channel = channel
+        self.predecessor = predecessor
+        self.replica_root = replica_root
+        self.on_replica = on_replica  # tests: a replica arrived
+        self.received = 0  # replicas kept
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="dist-ckpt-ring-receiver")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        number = 0
+        while not self._closed.is_set():
+            try:
+                if self.comm.store_wait([_key("offer", self.predecessor, number)], POLL_S):
+                    continue
+                accept = _key("accept", self.predecessor, number)
+                if self.comm.store.compare_set(accept, "", "accepted") == b"accepted":
+                    offer = json.loads(self.comm.store.get(_key("offer", self.predecessor, number)))
+                    self.comm.store.delete_key(_key("offer", self.predecessor, number))
+                    answer = self._receive(offer)
+                    self.comm.store.set(_key("done", self.predecessor, number), answer.encode())
+                number += 1
+            except Exception:  # noqa: BLE001 - the store or the transport is gone: no more replicas
+                if not self._closed.is_set():
+                    log.warning("the ring's receiver stopped", exc_info=True)
+                return
+
+    def _receive(self, offer: dict) -> str:
+        """The offered files, in order, into the offer's pending directory; "ok" or why not.
+        Every file is received (or refused) so that both ends stay in step: after a failure
+        the rest goes to a scratch directory, then away."""
+        generation, target = str(offer["generation"]), str(offer["target"])
+        failures = [] if pending_update(target) is not None else [f"bad replica directory {target!r}"]
+        directory = os.path.join(self.replica_root, target if not failures else "")
+        scratch = os.path.join(self.replica_root, f".discard-{uuid.uuid4().hex[:8]}")
+        for index, (path, size) in enumerate(offer["files"]):
+            try:
+                name = check_relative_path(str(path))
+            except DistCkptError as exc:
+                failures.append(str(exc))
+                name = f"file-{index}"
+            into = scratch if failures else directory
+            try:
+                self.channel.receive_file(self.predecessor, os.path.join(into, name), generation,
+                                          name, None, int(size))
+            except PeerError as exc:
+                failures.append(str(exc))
+        shutil.rmtree(scratch, ignore_errors=True)
+        if failures:
+            if pending_update(target) is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+            return f"the node of rank {self.comm.rank} kept no replica of {generation}: {failures[0]}"
+        self.received += 1
+        try:
+            self.comm.store.add(f"{REPLICATED_KEY}{generation}", 1)
+        except Exception:  # noqa: BLE001 - uncounted: the peers keep more, never less
+            log.warning("could not count the replica of %s", generation, exc_info=True)
+        if self.on_replica is not None:
+            self.on_replica()
+        return "ok"
+
+    def close(self, timeout_s: float) -> bool:
+        """Stop watching for offers; False when a transfer still runs after ``timeout_s``."""
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
