@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,11 +17,15 @@ from dist_ckpt import (
     UntrustedGenerations,
 )
 from dist_ckpt.cli.app import main as cli
+from dist_ckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, generation_name, rank_state_file
+from dist_ckpt.lifecycle.finish import holds_committed
 from dist_ckpt.ops.done import check_done
+from dist_ckpt.protocol.comm import Comm
 from dist_ckpt.restart.contract import digest
 from dist_ckpt.runinfo import LAUNCH_DIR_ENV, read_reports
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import run_ranks
+from dist_ckpt.tiers.rename import RenameTier
 from tests.helpers.local_jobs import make_state, step, two_generations
 
 KEY = "job-secret-0123456789abcdef"
@@ -166,3 +171,23 @@ def test_a_rejected_newer_generation_is_moved_aside_and_saved_again(tmp_path, ca
     assert cli(["ls", root]) == 0
     listing = capsys.readouterr().out
     assert f"rejected/{moved}" in listing and "quarantined" in listing
+
+
+def test_a_copy_per_node_is_committed_when_it_holds_its_ranks_files(tmp_path) -> None:
+    """``final_step``'s check on a tier with one copy per node: this node's copy of a 2-rank
+    generation lacks rank 1's files (another node holds them) and still counts as committed
+    for the ranks it serves, never for a node that must hold them all."""
+    root = str(tmp_path / "root")
+    train_and_finish(root, 1)
+    name = generation_name(1)
+    store = LocalStore(root)
+    manifest = Manifest.from_bytes(store.read_bytes(f"{name}/{MANIFEST_NAME}"), generation=name)
+    elsewhere = [FileEntry.of(rank_state_file(1), 10, "sha256", "0" * 64, 1),
+                 FileEntry.of("dcp/__1_0.distcp", 10, "sha256", "0" * 64, 1)]
+    two_ranks = manifest.model_copy(update={"world_size": 2, "files": [*manifest.files, *elsewhere]})
+    with open(os.path.join(root, name, MANIFEST_NAME), "wb") as handle:
+        handle.write(two_ranks.to_bytes())
+    ctx = SimpleNamespace(comm=Comm(), config=SimpleNamespace(signing_key=None))
+    assert holds_committed(ctx, RenameTier(root, frozenset({0})), name, 0)
+    assert not holds_committed(ctx, RenameTier(root, frozenset({0, 1})), name, 0)
+    assert not holds_committed(ctx, RenameTier(root), name, 0)  # one copy: every file

@@ -1,9 +1,11 @@
 """``CheckpointManager.finish``: the last generation of a run, then its DONE record.
 
 Call order (all ranks, main thread; the manager drains its saves before each step):
-1. ``final_step`` (collective): rank 0 says whether the final generation is committed already
-   (a restart after the final save) and, with the memory tier, whether this node's memory
-   holds it committed; every rank gets the same :class:`FinalStep` back. The manager then
+1. ``final_step`` (collective): whether the final generation is committed already on the root
+   (a restart after the final save) and, with the memory tier, whether memory holds it
+   committed (``holds_committed``: rank 0 checks a tier with one copy; on a tier with one copy
+   per node, each copy's leader checks its part and an all-gather agrees); every rank gets the
+   same :class:`FinalStep` back. The manager then
    does what it says: nothing, ``save(final_update)``, or ``persist_from_memory``.
 2. ``write_done`` (collective, after the manager drained again): rank 0 waits for the replays
    in chain order (persistence to the root, then the mirror) and checks that each completed
@@ -17,17 +19,20 @@ Call order (all ranks, main thread; the manager drains its saves before each ste
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 
 from .. import runinfo
 from ..context import Context
-from ..errors import CommitError
+from ..errors import CommitError, DistCkptError
 from ..format.inventory import is_committed
 from ..format.manifest import MANIFEST_NAME, Manifest, parse_generation
+from ..format.validate import check_sizes, check_structure
 from ..memory.runner import MemoryTierRunner
 from ..ops.done import DONE_NAME, DoneRecord, record_for
 from ..ops.done import write_done as write_done_record
 from ..save.replay import read_mirror_state
+from ..tiers.base import CommitTier
 from ..version import __version__
 from .replication import ReplayChain
 
@@ -41,14 +46,42 @@ class FinalStep(enum.Enum):
 def final_step(ctx: Context, name: str, memory: MemoryTierRunner | None) -> FinalStep:
     """All ranks. With the memory tier, the final generation goes to the root whatever
     ``persist_every`` says."""
-    comm, key = ctx.comm, ctx.config.signing_key
-    if comm.broadcast(is_committed(ctx.tiers.root.store, name, key) if comm.rank == 0 else None):
+    if holds_committed(ctx, ctx.tiers.root, name, ctx.root_groups.leader):
         return FinalStep.COMMITTED
     if memory is None:
         return FinalStep.SAVE
     memory.force(name)
-    in_memory = comm.broadcast(is_committed(memory.tier.store, name, key) if comm.rank == 0 else None)
+    in_memory = holds_committed(ctx, memory.tier, name, ctx.comm.fs_leader)
     return FinalStep.PERSIST_FROM_MEMORY if in_memory else FinalStep.SAVE
+
+
+def holds_committed(ctx: Context, tier: CommitTier, name: str, leader: int) -> bool:
+    """All ranks (collective): whether ``tier`` holds ``name`` committed. A tier with one copy
+    per node (node-local disks, the memory tier on several nodes) holds it whole on no node:
+    there the leader of each copy (``leader``: this rank's) checks that its copy holds the
+    manifest and the files of the ranks it serves (``tier.local_ranks``), rank 0 also the
+    signature, and every copy must hold the same manifest."""
+    comm, key = ctx.comm, ctx.config.signing_key
+    if tier.shared:
+        return comm.broadcast(is_committed(tier.store, name, key) if comm.rank == 0 else None)
+    part = (True, _part_digest(tier, name, key if comm.rank == 0 else None)) if comm.rank == leader \
+        else (False, None)
+    digests = [digest for is_leader, digest in comm.all_gather(part) if is_leader]
+    return None not in digests and len(set(digests)) == 1
+
+
+def _part_digest(tier: CommitTier, name: str, key: bytes | None) -> str | None:
+    """The sha256 of this copy's manifest of ``name`` when its structure and the sizes of its
+    ranks' files check out; else None."""
+    store, ranks = tier.store, tier.local_ranks
+    try:
+        raw = store.read_bytes(f"{name}/{MANIFEST_NAME}")
+        manifest = check_structure(store, name, key=key)
+        check_sizes(store, name, manifest.model_copy(
+            update={"files": [f for f in manifest.files if ranks is None or f.rank in ranks]}))
+    except (DistCkptError, OSError):
+        return None
+    return hashlib.sha256(raw).hexdigest()
 
 
 def persist_from_memory(ctx: Context, memory: MemoryTierRunner, name: str) -> None:

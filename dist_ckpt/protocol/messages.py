@@ -12,7 +12,8 @@ Background (through the c10d store, never a collective; see docs/architecture.md
 - :class:`MirrorReport`: rank r's replay thread -> rank 0's, ``replay_report_key(channel, seq, r)``;
   with node copies (node-local roots) rank 0's publish -> the other nodes' leaders,
   ``replay_outcome_key(channel, seq)``, and each such leader's copy -> rank 0,
-  ``replay_copy_key(channel, seq, leader)``.
+  ``replay_copy_key(channel, seq, leader)``; before the outcome rank 0 offers the common
+  files' bytes to those leaders, ``replay_common_key(channel, seq, generation[, path])``.
 A replay's keys are scoped by its channel (``persist``: memory -> root; ``mirror``: root ->
 mirror), so the two replays of one job never read each other's sequence.
 Keys a single reader consumes are deleted by that reader; keys read by several ranks are
@@ -67,6 +68,13 @@ def replay_outcome_key(channel: str, seq: int) -> str:
 
 def replay_copy_key(channel: str, seq: int, leader: int) -> str:
     return f"replay/{channel}/{seq}/copy/{leader}"
+
+
+def replay_common_key(channel: str, seq: int, generation: str, path: str | None = None) -> str:
+    """Rank 0's offer of ``generation``'s common files to the other nodes' leaders; with
+    ``path``, that file's bytes (``save/common_files.py``)."""
+    offer = f"replay/{channel}/{seq}/common/{generation}"
+    return offer if path is None else f"{offer}/file/{path}"
 
 
 def replay_pinned_key(channel: str) -> str:

@@ -18,10 +18,12 @@ Protocol (one replay thread per rank and channel; coordination only through the 
    under ``replay_report_key(channel, n, rank)``. Fault point ``<channel>.upload``.
 3. rank 0, once every rank reported within ``mirror_timeout_s``, publishes the attempt (the
    manifest last; fault point ``<channel>.before_publish``). With node copies (a node-local
-   root: ``RootGroups`` with more than one group), rank 0 then posts the outcome under
-   ``replay_outcome_key``; the leader of every other group publishes its node's copy (its
-   ranks' files and the manifest; fault point ``<channel>.node_copy``) and reports under
-   ``replay_copy_key``; rank 0 waits for every leader's report within the same deadline.
+   root: ``RootGroups`` with more than one group), rank 0 then offers the common files' bytes
+   (``common_files.offer``) and posts the outcome under ``replay_outcome_key``; the leader of
+   every other group puts the common files, verified, into its node's copy
+   (``common_files.install``), publishes that copy (its ranks' files, the common files and
+   the manifest; fault point ``<channel>.node_copy``) and reports under ``replay_copy_key``;
+   rank 0 waits for every leader's report within the same deadline, then withdraws the offer.
 4. rank 0 records the generation as the last completed one in the source's ``mirror.json``
    and calls ``on_completed`` (the chain's next channel). An enqueued, half-copied or
    partly published generation is never recorded as completed. Rank 0 then deletes that
@@ -52,6 +54,7 @@ from ..storage.base import StoreReader, open_store
 from ..storage.local import atomic_write
 from ..tiers.base import CommitTier
 from ..tiers.placement import RootGroups
+from . import common_files
 from .priority import lower_thread_priority
 
 log = logs.get(__name__)
@@ -244,12 +247,14 @@ class Replayer:
             except Exception:  # noqa: BLE001 - a leftover key costs bytes, never correctness
                 log.warning("could not delete the store keys of %s sequence %d", self.channel, self._seq)
         published = False
+        offered: list[str] = []
         try:
             if errors:
                 raise DistCkptError(f"{self.channel} replay of {generation} failed: {errors}")
             faults.hit(f"{self.channel}.before_publish", self.comm.rank)
             published_raw = attempt.publish(manifest, self.signing_key)
             published = True
+            offered = self._offer_common(manifest)
             self._post_outcome(True)
             self._await_node_copies(generation)
             self.stats.completed.append(generation)
@@ -263,6 +268,7 @@ class Replayer:
         else:
             self._prune()
             self._hand_over(generation, published_raw)
+        common_files.withdraw(self.comm, offered)  # every leader reported, or is too late
         with self._cond:
             self._active = None  # the settled generation no longer pins local retention
             self._publish_pinned()
@@ -282,6 +288,14 @@ class Replayer:
         if self.groups is not None:  # rank 0: the other nodes' leaders wait for it
             key = messages.replay_outcome_key(self.channel, self._seq)
             messages.post(self.comm, key, MirrorReport(ok, error))
+
+    def _offer_common(self, manifest: Manifest) -> list[str]:
+        """Rank 0, after publishing: the common files for the other nodes' copies."""
+        if self.groups is None:
+            return []
+        store, generation = self.destination.store, manifest.generation
+        return common_files.offer(self.comm, self.channel, self._seq, manifest,
+                                  lambda path: store.read_bytes(f"{generation}/{manifest.location(path)}"))
 
     def _await_node_copies(self, generation: str) -> None:
         """Rank 0: the generation counts as replayed once every node holds its part."""
@@ -310,6 +324,9 @@ class Replayer:
                 if not outcome.ok:  # rank 0 waits for no copy of a generation it did not publish
                     attempt.abandon()
                     return
+                common_files.install(self.comm, self.channel, self._seq,
+                                     Manifest.model_validate_json(manifest_raw),
+                                     os.path.join(self.local_root, attempt.generation), attempt.local_dir)
                 faults.hit(f"{self.channel}.node_copy", self.comm.rank)
                 attempt.publish_copy(manifest_raw)
                 report = MirrorReport(True)
