@@ -108,6 +108,8 @@ def test_too_little_free_space_is_permanent(tmp_path) -> None:
     assert result.starts[0]["classification"] == "permanent"
 
 
+@pytest.mark.long(reason="two launches of fresh interpreters importing torch, at 2 and then 3 workers: "
+                         "five workers on two cores")
 def test_world_size_change_consumes_every_sample_once(tmp_path) -> None:
     root, samples = str(tmp_path / "root"), tmp_path / "samples"
     samples.mkdir()

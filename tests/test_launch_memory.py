@@ -63,6 +63,8 @@ def _newest_start_resumed(root: str) -> list[str]:
     return [str(r.get("resumed_tier")) for r in reports if "resumed_from" in r]
 
 
+@pytest.mark.long(reason="two launchers side by side on one host, then a killed worker's restart and a last "
+                         "start that fails: four starts of torchrun's agent and workers importing torch")
 def test_two_jobs_on_one_host_each_own_a_directory_and_giving_up_persists_memory(tmp_path) -> None:
     """Two launchers on one host, both run 0001, different roots, one shared-memory base. The
     short job's launcher (one rank) removes only its own directory; a worker of the long job SIGKILLed

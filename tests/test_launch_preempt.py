@@ -153,6 +153,8 @@ def test_preemption_before_the_first_start_starts_nothing(tmp_path) -> None:
     assert result.starts == [] and "preempted before start 1" in result.output
 
 
+@pytest.mark.long(reason="three launches of fresh interpreters importing torch (a finished run, then two "
+                         "starts that crash at the same update) before the launcher gives up")
 def test_crash_loop_stops_after_two_starts_without_progress(tmp_path) -> None:
     root = str(tmp_path)
     first = launch(root, script_args=("--updates", "12", "--save-every", "4", "--stop-at", "4"))
