@@ -106,6 +106,15 @@ class CommitError(DistCkptError):
         super().__init__(f"{message}" + (f" ({detail})" if detail else ""))
 
 
+class RestoreError(DistCkptError):
+    """Loading the chosen generation failed on other ranks. ``failures`` maps rank -> reason."""
+
+    def __init__(self, message: str, *, failures: dict[int, str]):
+        self.failures = dict(failures)
+        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
+        super().__init__(f"{message}: {detail}")
+
+
 class StorageError(DistCkptError):
     """The storage backend failed (missing root, I/O error, disk full)."""
 

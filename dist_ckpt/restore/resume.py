@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from .. import faults, logs, runinfo
 from ..context import Context
 from ..errors import (
+    RestoreError,
     StorageError,
     UnsafeFileError,
     UntrustedGenerations,
@@ -101,7 +102,7 @@ def _load_agreed(ctx: Context, tier: CommitTier, name: str, manifest: Manifest,
     """``load_generation`` on every rank, then one all-gather: a shard that fails its digest
     (``one_pass``: hashed by the load) or a file that changed after validation, on any rank,
     fails the generation on all of them (never a mixed load)."""
-    result, problem = None, None
+    result, problem, failure = None, None, None
     try:
         result = load_generation(
             ctx.comm, tier, ctx.state, name, manifest, components, allow_contract_change=allow,
@@ -109,13 +110,34 @@ def _load_agreed(ctx: Context, tier: CommitTier, name: str, manifest: Manifest,
             one_pass=one_pass)
     except ValidationError as exc:
         problem = Problem(name, str(exc), exc.path, tier=tier.url)
-    problems = [p for p in ctx.comm.all_gather(problem) if p is not None]
+    except OSError as exc:  # a file this rank reads is absent from this tier's copy (a node-local
+        # copy holds its node's ranks' files: ranks placed on other nodes than before miss theirs)
+        problem = _missing(name, tier, exc)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the all-gather
+        failure = exc
+    # every rank reaches this all-gather, whatever its load raised: one rank leaving restore
+    # early would leave the others blocked in it
+    why = None if failure is None else f"{type(failure).__name__}: {failure}"
+    verdicts = ctx.comm.all_gather((problem, why))
+    if failure is not None:
+        raise failure
+    failed = {rank: why for rank, (_, why) in enumerate(verdicts) if why is not None}
+    if failed:
+        raise RestoreError(f"loading {name} failed on rank(s) {sorted(failed)}", failures=failed)
+    problems = [p for p, _ in verdicts if p is not None]
     if not problems:
         return result, None
     # this rank's url of the tier: a node-local tier (memory) has one per node, and the next
     # selection skips by it on every rank alike
     problems[0].tier = tier.url
     return None, problems[0]
+
+
+def _missing(name: str, tier: CommitTier, exc: OSError) -> Problem:
+    """A file the load could not read, named by its path in the generation where it can be."""
+    filename, marker = str(exc.filename or ""), f"{name}/"
+    path = filename.split(marker, 1)[1] if marker in filename else None
+    return Problem(name, f"{type(exc).__name__}: {exc.strerror or exc}", path, tier=tier.url)
 
 
 def pointer_warnings(ctx: Context) -> list[str]:
