@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -211,9 +213,62 @@ def test_a_received_replica_is_counted_and_a_bad_one_leaves_nothing(tmp_path) ->
     files = [["dcp/__1_0.distcp", 7], ["manifest.json", 2]]
     assert receiver._receive({"generation": GEN, "target": f".pending-{GEN}-ab", "files": files}) == "ok"
     assert (tmp_path / f".pending-{GEN}-ab" / "dcp" / "__1_0.distcp").read_bytes() == b"r" * 7
-    assert comm.store.add(f"{replicas.REPLICATED_KEY}{GEN}", 0) == 1
+    assert comm.store.get(f"{replicas.REPLICA_OF_KEY}1") == GEN.encode()
     for target, offered in ((f"../{GEN}", files), (f".pending-{GEN}-cd", [["../escaped", 3], *files])):
         answer = receiver._receive({"generation": GEN, "target": target, "files": offered})
         assert answer.startswith(f"the node of rank 0 kept no replica of {GEN}")
     assert sorted(os.listdir(tmp_path)) == [f".pending-{GEN}-ab"]  # nothing else, no scratch
-    assert comm.store.add(f"{replicas.REPLICATED_KEY}{GEN}", 0) == 1
+    assert comm.store.get(f"{replicas.REPLICA_OF_KEY}1") == GEN.encode()
+
+
+class FlakyStore:
+    """A c10d store whose ``check`` fails ``failures`` times, then answers as ``store``."""
+
+    def __init__(self, store: object, failures: int) -> None:
+        self.store, self.failures = store, failures
+
+    def check(self, keys: list[str]) -> bool:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("store read failed")
+        return self.store.check(keys)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+
+def test_a_receiver_whose_store_read_failed_takes_the_next_offer(tmp_path, monkeypatch) -> None:
+    from dist_ckpt.protocol.comm import Comm
+
+    monkeypatch.setattr(replicas, "RETRY_S", 0.01)
+    monkeypatch.setattr(replicas, "POLL_S", 0.05)
+    comm = Comm()
+    comm.store = FlakyStore(comm.store, failures=2)  # type: ignore[assignment]
+    arrived = threading.Event()
+    receiver = replicas.Receiver(comm, FakeChannel(), predecessor=1, replica_root=str(tmp_path),  # type: ignore[arg-type]
+                                 on_replica=arrived.set)
+    receiver.start()
+    try:
+        offer = {"generation": GEN, "target": f".pending-{GEN}-ab", "files": [["manifest.json", 2]]}
+        comm.store.set("ring/offer/1/0", json.dumps(offer).encode())
+        assert arrived.wait(30), "the receiver stopped after the store failed it"
+        assert comm.store.get("ring/done/1/0") == b"ok" and comm.store.failures == 0
+    finally:
+        assert receiver.close(5)
+
+
+@pytest.mark.parametrize(("committed", "replicas_of_others", "kept"), [
+    # the other nodes' newest replicas are of different generations: keep from the oldest on
+    ([9, 8, 7, 6, 5], [7, 9], {9, 8, 7}),
+    # none recorded yet (a first replica may be arriving): the two newest
+    ([9, 8, 7], [], {9, 8}),
+    # replication lagging far behind: the newest ones and the oldest needed, four in all
+    ([9, 8, 7, 6, 5, 4, 3], [3], {9, 8, 7, 3}),
+])
+def test_a_node_keeps_what_rebuilds_any_other_node(committed, replicas_of_others, kept) -> None:
+    from dist_ckpt.format.manifest import generation_name
+    from dist_ckpt.memory.ring import keep_for_rebuild
+
+    names = [generation_name(n) for n in committed]
+    got = keep_for_rebuild(names, [generation_name(n) for n in replicas_of_others])
+    assert got == {generation_name(n) for n in kept}

@@ -15,8 +15,8 @@ waiting for a partner that is not coming:
    with a compare-and-set of ``ring/accept/<sender>/<n>`` to ``accepted``; a sender that waited
    ``OFFER_WAIT_S`` in vain sets it to ``withdrawn`` the same way (one of the two wins);
 3. once accepted, the files cross in the offer's order (``PeerChannel``), manifest last: a
-   replica's commit point. The receiver counts the generation as replicated
-   (``REPLICATED_KEY``) and answers in ``ring/done/<sender>/<n>``, which the sender waits for.
+   replica's commit point. The receiver records it as the sender's newest replica
+   (``REPLICA_OF_KEY``) and answers in ``ring/done/<sender>/<n>``, which the sender waits for.
    The offer's keys are deleted once read (a withdrawn offer's stay: the receiver steps
    past ``n`` only after it saw offer ``n``).
 
@@ -42,9 +42,10 @@ from ..protocol.comm import Comm
 from .peer import PeerChannel, PeerError
 
 log = logs.get(__name__)
-REPLICATED_KEY = "ring/replicated/"  # + generation: how many leaders replicated it
+REPLICA_OF_KEY = "ring/replica-of/"  # + sender's rank: the generation of its newest replica
 OFFER_WAIT_S = 10.0  # how long a sender waits for its successor to take an offer
 POLL_S = 0.5  # a receiver's wait for the next offer, between checks for close
+RETRY_S = 2.0  # a receiver's pause after the store failed it, before it looks again
 
 
 def ring_group_index(position: int, nodes: int) -> int:
@@ -118,22 +119,50 @@ class Receiver:
         self._thread.start()
 
     def _run(self) -> None:
+        """Offers in number order. A store that fails a read is tried again (a replica missed
+        costs the lost node its memory restore); a transport that fails mid-file ends the
+        thread, as the pair's groups are out of step (the sender stops as well)."""
         number = 0
         while not self._closed.is_set():
             try:
-                if self.comm.store_wait([_key("offer", self.predecessor, number)], POLL_S):
-                    continue
-                accept = _key("accept", self.predecessor, number)
-                if self.comm.store.compare_set(accept, "", "accepted") == b"accepted":
-                    offer = json.loads(self.comm.store.get(_key("offer", self.predecessor, number)))
-                    self.comm.store.delete_key(_key("offer", self.predecessor, number))
+                offer = self._take(number)
+            except Exception:  # noqa: BLE001 - the store failed this read: look again
+                if self._closed.is_set():
+                    return
+                log.warning("the ring's receiver could not read offer %d; retrying", number, exc_info=True)
+                self._closed.wait(RETRY_S)
+                continue
+            if offer is None:  # none yet
+                continue
+            if offer:  # taken by this receiver, not withdrawn by its sender
+                try:
                     answer = self._receive(offer)
-                    self.comm.store.set(_key("done", self.predecessor, number), answer.encode())
-                number += 1
-            except Exception:  # noqa: BLE001 - the store or the transport is gone: no more replicas
-                if not self._closed.is_set():
-                    log.warning("the ring's receiver stopped", exc_info=True)
-                return
+                except Exception as exc:  # noqa: BLE001 - the transport failed mid-file
+                    self._answer(number, f"the node of rank {self.comm.rank} kept no replica: {exc}")
+                    if not self._closed.is_set():
+                        log.warning("the ring's receiver stopped", exc_info=True)
+                    return
+                self._answer(number, answer)
+            number += 1
+
+    def _take(self, number: int) -> dict | None:
+        """Offer ``number`` of the predecessor: None while there is none, ``{}`` when its
+        sender withdrew it first, else the offer, taken (compare-and-set) and deleted."""
+        store = self.comm.store
+        offer_key = _key("offer", self.predecessor, number)
+        if self.comm.store_wait([offer_key], POLL_S):
+            return None
+        if store.compare_set(_key("accept", self.predecessor, number), "", "accepted") != b"accepted":
+            return {}
+        offer = json.loads(store.get(offer_key))
+        store.delete_key(offer_key)
+        return offer
+
+    def _answer(self, number: int, answer: str) -> None:
+        try:
+            self.comm.store.set(_key("done", self.predecessor, number), answer.encode())
+        except Exception:  # noqa: BLE001 - the sender's wait for it ends at its deadline
+            log.warning("could not answer offer %d of rank %d", number, self.predecessor, exc_info=True)
 
     def _receive(self, offer: dict) -> str:
         """The offered files, in order, into the offer's pending directory; "ok" or why not.
@@ -162,9 +191,9 @@ class Receiver:
             return f"the node of rank {self.comm.rank} kept no replica of {generation}: {failures[0]}"
         self.received += 1
         try:
-            self.comm.store.add(f"{REPLICATED_KEY}{generation}", 1)
-        except Exception:  # noqa: BLE001 - uncounted: the peers keep more, never less
-            log.warning("could not count the replica of %s", generation, exc_info=True)
+            self.comm.store.set(f"{REPLICA_OF_KEY}{self.predecessor}", generation.encode())
+        except Exception:  # noqa: BLE001 - unrecorded: the peers keep more, never less
+            log.warning("could not record the replica of %s", generation, exc_info=True)
         if self.on_replica is not None:
             self.on_replica()
         return "ok"

@@ -21,13 +21,14 @@ Call order:
   after each committed save, before the memory prune (so the generation being sent is never
   deleted meanwhile): this node's files of its newest committed in-memory generation go to
   the ring successor, manifest last (a replica's commit point), and the successor counts it
-  in the store (one counter per generation); received replicas are renamed to their
+  in the store as the sender's newest replica; received replicas are renamed to their
   generation's name and older ones dropped;
-- ``protected`` in the memory prune (leaders): this node keeps its own copy of the newest
-  generation every leader has counted as replicated (and the newer ones), at most
-  ``RING_KEEP``. Without it, a node that lost its memory while its newest replica was still
-  on the way would leave no generation whole: its successor holds its previous one, and
-  every other node already deleted theirs;
+- ``protected`` in the memory prune (leaders): this node keeps its own copy of every
+  generation from the oldest of the other nodes' newest replicas on (``keep_for_rebuild``).
+  Replicas of different nodes may be of different generations (a push skips to the newest);
+  without it, a node lost while its newest replica was still on the way, or whose replicas
+  lag the others', would leave no generation whole: its successor holds an older one, which
+  every other node already deleted;
 - ``repair()`` on every rank at the start of ``restore()`` (collective): every leader's
   inventory is all-gathered, rank 0 plans one exchange (``memory/plan.py``: the newest
   generation the nodes can complete, which node sends which file to which) and broadcasts
@@ -46,6 +47,7 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Iterable
 
 import torch
 
@@ -66,11 +68,12 @@ from ..protocol.comm import Comm
 from .exchange import Outcome, Places, run_exchange
 from .peer import PeerChannel
 from .plan import ExchangePlan, inventory, plan_exchange
-from .replicas import REPLICATED_KEY, Receiver, Sender, ring_group_index, ring_groups_needed
+from .replicas import REPLICA_OF_KEY, Receiver, Sender, ring_group_index, ring_groups_needed
 from .tier import MemoryTier, remove_newer
 
 log = logs.get(__name__)
-RING_KEEP = 2  # own committed in-memory generations a leader keeps for the ring at most
+RING_KEEP = 2  # own committed in-memory generations a leader keeps for the ring at least
+RING_KEEP_MAX = 4  # and at most: a replication lagging further leaves a lost node to the root
 RING_TIMEOUT_S = 120.0  # the ring groups' deadline for one transfer
 CLOSE_WAIT_S = 30.0  # how long a closing leader keeps receiving its predecessor's last push
 
@@ -185,21 +188,21 @@ class NodeRing:
 
     def protected(self) -> frozenset[str]:
         """Leaders (pruning or persistence thread, in the memory prune): this node's own
-        committed generations to keep for a node lost meanwhile. A lost node is rebuilt at the
-        newest generation its successor holds whole, which is at least the newest one every
-        leader counted as replicated: this node keeps that one and the newer ones (all of its
-        ``RING_KEEP`` newest while none is counted by every leader). A replication that lags
-        further leaves a lost node to the persistent root. Two store reads at most."""
+        committed generations to keep for another node lost meanwhile (``keep_for_rebuild``).
+        One store read per other leader."""
         if not self.replicating or not self.is_leader:
             return frozenset()
-        committed = self._committed()[:RING_KEEP]
+        committed = self._committed()
+        replica_of: dict[int, str] = {}
         try:
-            for index, name in enumerate(committed):
-                if self.comm.store.add(f"{REPLICATED_KEY}{name}", 0) >= self.nodes:
-                    return frozenset(committed[:index + 1])
-        except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): keep them all
-            log.warning("could not read the ring's replica counts from the store", exc_info=True)
-        return frozenset(committed)
+            for leader in self.leaders:
+                key = f"{REPLICA_OF_KEY}{leader}"
+                if leader != self.comm.rank and self.comm.store.check([key]):
+                    replica_of[leader] = self.comm.store.get(key).decode()
+        except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): keep the newest
+            log.warning("could not read the ring's replicas from the store", exc_info=True)
+            return frozenset(committed[:RING_KEEP])
+        return keep_for_rebuild(committed, replica_of.values())
 
     def settle_replicas(self) -> None:
         """Leaders, pruning thread: the newest complete replica (its manifest arrived, last)
@@ -303,6 +306,26 @@ class NodeRing:
             if not self.receiver.close(CLOSE_WAIT_S if not after_error else 1.0):
                 log.warning("the ring's receiver is still receiving at close")
         self.after_restore()
+
+
+def keep_for_rebuild(committed: list[str], replicas: Iterable[str]) -> frozenset[str]:
+    """Which of this node's own committed generations (``committed``, newest first) to keep
+    so that any other node can be rebuilt: a lost node X is rebuilt at the generation of
+    its newest replica (``replicas``: one per other node, as its successor recorded it),
+    from that replica and every other node's own copy of that generation. So this node keeps
+    every generation from the oldest of those on; a newer one too, as a replica of it may
+    be arriving and the record lags the arrival. Always the ``RING_KEEP`` newest (a first
+    replica may be arriving); never more than ``RING_KEEP_MAX``, the oldest needed among them.
+    """
+    numbers = [n for n in (parse_generation(g) for g in replicas) if n is not None]
+    keep = committed[:RING_KEEP]
+    if numbers:
+        floor = min(numbers)
+        needed = [g for g in committed if (parse_generation(g) or 0) >= floor]
+        if len(needed) > RING_KEEP_MAX:
+            needed = [*needed[:RING_KEEP_MAX - 1], needed[-1]]
+        keep = [*keep, *needed]
+    return frozenset(keep)
 
 
 def _mtime(path: str) -> float:

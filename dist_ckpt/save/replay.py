@@ -44,6 +44,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 from .. import faults, logs
 from ..errors import DistCkptError, StorageError
 from ..format.manifest import Manifest
@@ -189,9 +191,14 @@ class Replayer:
                     MirrorAnnouncement(item[0], item[1].decode("utf-8"))
                 messages.post(self.comm, seq_key, announce)
             else:  # follow rank 0's sequence until it announces the stop
-                while self.comm.store_wait([seq_key], 5.0):
-                    pass
-                announce = messages.decode(MirrorAnnouncement, self.comm.store_get(seq_key))
+                try:
+                    while self.comm.store_wait([seq_key], 5.0):
+                        pass
+                    announce = messages.decode(MirrorAnnouncement, self.comm.store_get(seq_key))
+                except dist.DistError as exc:  # the job's store ended with rank 0's side
+                    log.warning("%s: the store is gone, no further %s on this rank (%s)",
+                                self.channel, self.channel, exc)
+                    return
             if announce.stop:
                 return
             with self._cond:
