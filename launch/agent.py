@@ -1,8 +1,10 @@
 """One start of the job: torch's elastic launcher (``torch.distributed.run``), in its own process.
 
-Usage (by the launcher only): ``python -m launch.agent RESULT.json TORCHRUN_ARGS...``.
-It runs torchrun in-process so that the per-rank failures (exit code, signal, error message)
-come back as data, and writes them to RESULT.json (atomic replace) before exiting. A separate
+The launcher runs ``main([RESULT.json, *TORCHRUN_ARGS])`` in a process it forked for the start
+(:mod:`launch.agent_process`); ``python -m launch.agent RESULT.json TORCHRUN_ARGS...`` does the
+same from a fresh interpreter. It runs torchrun in-process so that the per-rank failures (exit
+code, signal, error message) come back as data, and writes them to RESULT.json (atomic replace)
+before exiting. A separate
 process per start gives every start a fresh rendezvous and a fresh c10d store.
 """
 

@@ -1,7 +1,8 @@
 """The restart loop: bounded starts, backoff, preemption, crash loops, health before a start.
 
 Call order (one launcher process per node, main thread): ``Launcher(options).run()``. Each
-start runs ``python -m launch.agent`` (torch's elastic launcher) in its own session, after the
+start runs ``launch.agent`` (torch's elastic launcher) in a process forked from the launcher, in
+its own session (:mod:`launch.agent_process`), after the
 checks of :mod:`launch.health`; waits for it while watching the stop file and the signals,
 classifies the outcome (:mod:`launch.policy`), logs one line and one JSON record, then stops or
 backs off and starts again. SIGTERM, the ``--preempt-signal`` and the stop file preempt the job
@@ -13,12 +14,10 @@ no rank advances (outcome ``hung``, restarted) and names the stragglers.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ from typing import Any
 from dist_ckpt import launcher_api as api
 
 from . import health, memory_dir, policy, records, watchdog
+from .agent_process import AgentProcess
 from .options import LaunchOptions
 from .preemption import Preemption, Step
 from .rundir import choose_run
@@ -35,15 +35,6 @@ POLL_S = 0.2
 KILL_GRACE_S = 10.0  # between the SIGTERM that ends a start (hung, or past the grace) and the SIGKILL
 EXIT_OK, EXIT_PERMANENT, EXIT_USAGE, EXIT_GAVE_UP, EXIT_STOPPED = 0, 1, 2, 3, 4
 EXIT_PREEMPTED = api.PREEMPTED_EXIT  # neither success nor failure: start the job again later
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # a launcher killed outright must not leave a torchrun agent and its workers behind
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 def _children(pid: int) -> set[int]:
@@ -91,7 +82,7 @@ class Launcher:
                                                        run_id=options.run_id)
         self.created = created
         self.records: list[records.StartRecord] = []
-        self._agent: subprocess.Popen | None = None
+        self._agent: AgentProcess | None = None
         self._signal: int | None = None  # SIGINT: the operator's immediate stop
         self.preemption = Preemption(options.grace_s)
         self.crash_loop = policy.CrashLoop(options.max_no_progress)
@@ -245,9 +236,7 @@ class Launcher:
                     api.MEMORY_DIR_ENV: self._memory.path if self._memory is not None else ""})
         if self.mirror:
             env[api.MIRROR_ENV] = self.mirror
-        command = [sys.executable, "-m", "launch.agent", result_path, *self.options.torchrun_argv]
-        self._agent = subprocess.Popen(command, env=env, start_new_session=True,
-                                       preexec_fn=_die_with_parent)
+        self._agent = AgentProcess([result_path, *self.options.torchrun_argv], env)
         stop: str | None = None
         self._hung = None
         self._start_dir = start_dir
@@ -373,7 +362,7 @@ def exit_line(persisted: api.Persisted | None, directory: str, *, removed: bool,
     return f"[launch] {persisted.message}; removed in-memory checkpoints {directory}"
 
 
-def end_start(agent: subprocess.Popen, worker_pids: set[int] | frozenset[int] = frozenset(),
+def end_start(agent: AgentProcess, worker_pids: set[int] | frozenset[int] = frozenset(),
               grace_s: float = KILL_GRACE_S) -> int | None:
     """End a start now: SIGTERM then SIGCONT (a stopped worker must run to handle the SIGTERM)
     to the agent's process group and to each worker's (torchrun starts every worker in a
