@@ -13,16 +13,22 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import sys
+import time
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.run import parse_args, run
 
+from dist_ckpt import launcher_api as api
 from dist_ckpt.launcher_api import atomic_write
 
 MESSAGE_LIMIT = 4000
+CLOSED_RETRY_S = 60.0  # how long a start joins again a rendezvous still closed
+CLOSED_PAUSE_S = 1.0
 
 
 def _failures(exc: ChildFailedError) -> dict[str, dict[str, Any]]:
@@ -49,6 +55,25 @@ def _parse(torchrun_argv: list[str], result: dict[str, Any]) -> Any:
         return None
 
 
+def _run_once_open(args: Any) -> None:
+    """torchrun's ``run``; joined again while the rendezvous it finds is the previous start's,
+    still closing (another node's agent ends that round after its workers failed: a start
+    quicker than that must not cost the job one of its bounded starts). Only before any
+    worker of this start trained, and for at most ``CLOSED_RETRY_S``."""
+    deadline = time.monotonic() + CLOSED_RETRY_S
+    start_dir = os.environ.get(api.LAUNCH_DIR_ENV, "")
+    while True:
+        try:
+            run(args)
+            return
+        except RendezvousClosedError:
+            if time.monotonic() >= deadline or (start_dir and api.read_marks(start_dir)):
+                raise
+        print(f"[launch] the rendezvous is the previous start's, still closing: joining again in "
+              f"{CLOSED_PAUSE_S:g} s", file=sys.stderr, flush=True)
+        time.sleep(CLOSED_PAUSE_S)
+
+
 def main(argv: list[str]) -> int:
     result_path, torchrun_argv = argv[0], argv[1:]
     result: dict[str, Any] = {"ok": False, "failures": {}, "signal": None, "error": None}
@@ -57,7 +82,7 @@ def main(argv: list[str]) -> int:
         if args is None:  # a usage error: the same on every start, so the launcher stops
             atomic_write(result_path, json.dumps(result).encode())
             return 2
-        run(args)
+        _run_once_open(args)
         result["ok"] = True
     except ChildFailedError as exc:
         result["failures"] = _failures(exc)

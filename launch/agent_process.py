@@ -15,8 +15,9 @@ fresh ``python -m launch.agent`` would have been before it runs ``launch.agent.m
 
 It ends with ``os._exit``: none of the launcher's clean-up runs twice.
 
-Call order (the launcher's main thread, the only thread it runs): ``AgentProcess(argv,
-env)`` forks; then ``wait``/``poll``/``send_signal`` as on a ``subprocess.Popen``.
+Call order (the launcher's main thread): ``start_agent(argv, env)`` forks when no other Python
+thread runs (else it starts a fresh interpreter, as before); then ``wait``/``poll``/
+``send_signal`` as on a ``subprocess.Popen``.
 """
 
 from __future__ import annotations
@@ -26,16 +27,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 WAIT_STEP_S = 0.01  # how often ``wait(timeout)`` looks for the agent's exit
-# the launcher's handlers (runner.py) and what a fresh interpreter has instead
-_FRESH_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
-                   signal.SIGUSR1: signal.SIG_DFL, signal.SIGUSR2: signal.SIG_DFL,
-                   signal.SIGHUP: signal.SIG_DFL, signal.SIGQUIT: signal.SIG_DFL}
 
 
 def die_with_parent() -> None:
@@ -44,6 +42,16 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+
+def start_agent(argv: list[str], env: dict[str, str]) -> AgentProcess | subprocess.Popen:
+    """The start's agent: forked while the launcher runs no other Python thread; otherwise
+    (an object-store mirror's client leaves its event loop running) a fresh interpreter, as
+    forking a process whose other threads may hold locks is not safe."""
+    if threading.active_count() == 1:
+        return AgentProcess(argv, env)
+    return subprocess.Popen([sys.executable, "-m", "launch.agent", *argv], env=env,
+                            start_new_session=True, preexec_fn=die_with_parent)
 
 
 class AgentProcess:
@@ -58,14 +66,23 @@ class AgentProcess:
             stream.flush()
         launcher = os.getpid()
         pid = os.fork()
-        if pid == 0:  # never returns
-            _run_agent(argv, env, launcher, target)
+        if pid == 0:  # never returns: nothing of the launcher's stack runs in the child
+            try:
+                _run_agent(argv, env, launcher, target)
+            finally:
+                os._exit(1)
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                # reaped by the poll this one interrupts (the launcher's signal handler ends a
+                # start from inside the poll loop): that call records the real status on return
+                self.returncode = -signal.SIGKILL
+                return self.returncode
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -92,22 +109,58 @@ def _run_agent(argv: list[str], env: dict[str, str], launcher: int,
         die_with_parent()
         if os.getppid() != launcher:  # the launcher died before the line above
             os._exit(1)
-        for sig, handler in _FRESH_HANDLERS.items():
-            signal.signal(sig, handler)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        _fresh_signal_handlers()
+        _close_inherited_files()
         os.environ.clear()
         os.environ.update(env)
         if target is None:
             from .agent import main as target
         code = target(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # as the interpreter ends on it
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:  # as an interpreter does: ended by SIGINT
+        _flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # noqa: BLE001 - said on stderr, as an interpreter would
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001, S110 - exiting either way
-                pass
+        # torchrun's handlers raise: a late SIGTERM must not unwind into the launcher's frames
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        _flush()
         os._exit(code)
+
+
+def _fresh_signal_handlers() -> None:
+    """Every handler the launcher installed (its preemption signal may be any) back to what
+    an interpreter starts with."""
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+def _close_inherited_files() -> None:
+    """Every descriptor but stdin, stdout and stderr (those open, not the whole range: a
+    container's descriptor limit can be in the millions)."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.close(fd)
+            except OSError:  # the listing's own descriptor, closed already
+                pass
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - exiting either way
+            pass

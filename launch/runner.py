@@ -26,7 +26,7 @@ from typing import Any
 from dist_ckpt import launcher_api as api
 
 from . import health, memory_dir, policy, records, watchdog
-from .agent_process import AgentProcess
+from .agent_process import AgentProcess, start_agent
 from .options import LaunchOptions
 from .preemption import Preemption, Step
 from .rundir import choose_run
@@ -82,7 +82,7 @@ class Launcher:
                                                        run_id=options.run_id)
         self.created = created
         self.records: list[records.StartRecord] = []
-        self._agent: AgentProcess | None = None
+        self._agent: AgentProcess | subprocess.Popen | None = None
         self._signal: int | None = None  # SIGINT: the operator's immediate stop
         self.preemption = Preemption(options.grace_s)
         self.crash_loop = policy.CrashLoop(options.max_no_progress)
@@ -236,7 +236,7 @@ class Launcher:
                     api.MEMORY_DIR_ENV: self._memory.path if self._memory is not None else ""})
         if self.mirror:
             env[api.MIRROR_ENV] = self.mirror
-        self._agent = AgentProcess([result_path, *self.options.torchrun_argv], env)
+        self._agent = start_agent([result_path, *self.options.torchrun_argv], env)
         stop: str | None = None
         self._hung = None
         self._start_dir = start_dir
@@ -362,7 +362,7 @@ def exit_line(persisted: api.Persisted | None, directory: str, *, removed: bool,
     return f"[launch] {persisted.message}; removed in-memory checkpoints {directory}"
 
 
-def end_start(agent: AgentProcess, worker_pids: set[int] | frozenset[int] = frozenset(),
+def end_start(agent: AgentProcess | subprocess.Popen, worker_pids: set[int] | frozenset[int] = frozenset(),
               grace_s: float = KILL_GRACE_S) -> int | None:
     """End a start now: SIGTERM then SIGCONT (a stopped worker must run to handle the SIGTERM)
     to the agent's process group and to each worker's (torchrun starts every worker in a

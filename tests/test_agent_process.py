@@ -24,6 +24,7 @@ def _describe(argv: list[str]) -> int:
     with open(argv[0] + ".tmp", "w") as out:
         json.dump({"session": os.getsid(0), "pid": os.getpid(), "env": dict(os.environ), "fds": fds,
                    "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                   "sigpwr_default": signal.getsignal(signal.SIGPWR) == signal.SIG_DFL,
                    "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler}, out)
     os.rename(argv[0] + ".tmp", argv[0])
     return int(argv[1])
@@ -38,18 +39,31 @@ def _wait_for_sigterm(argv: list[str]) -> int:
 def test_the_forked_agent_starts_as_a_fresh_process_would(tmp_path) -> None:
     report = str(tmp_path / "report.json")
     held = open(tmp_path / "lock", "w")  # as the launcher's memory-directory lock
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # as the launcher's handler
+    # as the launcher's handlers: its own, and a --preempt-signal of the user's choice
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGPWR)}
     try:
         agent = AgentProcess([report, "3"], {"ONLY": "this"}, target=_describe)
         assert agent.wait(timeout=60) == 3 and agent.returncode == 3 and agent.poll() == 3
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         held.close()
     seen = json.loads(open(report).read())
     assert seen["session"] == seen["pid"] == agent.pid  # its own session: ended as a group
     assert seen["env"] == {"ONLY": "this"}
     assert seen["fds"] == [0, 1, 2, 3]  # stdin, stdout, stderr, and the listing's own
-    assert seen["sigterm_default"] and seen["sigint_default"]
+    assert seen["sigterm_default"] and seen["sigpwr_default"] and seen["sigint_default"]
+
+
+def _exit(argv: list[str]) -> int:
+    how = argv[0]
+    raise SystemExit(None if how == "none" else int(how) if how.isdigit() else how)
+
+
+@pytest.mark.parametrize(("how", "code"), [("none", 0), ("4", 4), ("a message", 1)])
+def test_the_agent_exits_as_an_interpreter_would(how: str, code: int) -> None:
+    agent = AgentProcess([how], {}, target=_exit)
+    assert agent.wait(timeout=60) == code
 
 
 def test_wait_times_out_while_the_agent_runs_and_a_signal_ends_it(tmp_path) -> None:
@@ -68,3 +82,38 @@ def test_wait_times_out_while_the_agent_runs_and_a_signal_ends_it(tmp_path) -> N
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(timeout=60) == 9
     agent.send_signal(signal.SIGTERM)  # an ended agent: nothing to signal, no error
+
+
+def test_a_start_joins_again_a_rendezvous_still_closing_but_not_after_its_workers_ran(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    from dist_ckpt import launcher_api as api
+    from dist_ckpt.marks import MarkWriter, marks_path
+    from launch import agent
+
+    calls: list[int] = []
+
+    def closed_twice(_args: object) -> None:
+        calls.append(len(calls))
+        if len(calls) <= 2:
+            raise RendezvousClosedError()
+
+    monkeypatch.setattr(agent, "run", closed_twice)
+    monkeypatch.setattr(agent, "CLOSED_PAUSE_S", 0.01)
+    monkeypatch.setenv(api.LAUNCH_DIR_ENV, str(tmp_path))
+    agent._run_once_open(None)
+    assert calls == [0, 1, 2]
+    # a worker of this start trained: a closed rendezvous now is the job's, not the last start's
+    MarkWriter(marks_path(str(tmp_path), 0)).mark(1)
+    calls.clear()
+    with pytest.raises(RendezvousClosedError):
+        agent._run_once_open(None)
+    assert calls == [0]
+    # and never past the bound
+    monkeypatch.setattr(agent, "CLOSED_RETRY_S", 0.0)
+    monkeypatch.setenv(api.LAUNCH_DIR_ENV, str(tmp_path / "empty"))
+    calls.clear()
+    with pytest.raises(RendezvousClosedError):
+        agent._run_once_open(None)
+    assert calls == [0]

@@ -122,16 +122,20 @@ class Receiver:
         """Offers in number order. A store that fails a read is tried again (a replica missed
         costs the lost node its memory restore); a transport that fails mid-file ends the
         thread, as the pair's groups are out of step (the sender stops as well)."""
-        number = 0
+        number, failing = 0, False
         while not self._closed.is_set():
             try:
                 offer = self._take(number)
             except Exception:  # noqa: BLE001 - the store failed this read: look again
                 if self._closed.is_set():
                     return
-                log.warning("the ring's receiver could not read offer %d; retrying", number, exc_info=True)
+                if not failing:  # once per spell of failures, not every RETRY_S
+                    log.warning("the ring's receiver could not read offer %d; retrying every %g s",
+                                number, RETRY_S, exc_info=True)
+                failing = True
                 self._closed.wait(RETRY_S)
                 continue
+            failing = False
             if offer is None:  # none yet
                 continue
             if offer:  # taken by this receiver, not withdrawn by its sender
@@ -155,7 +159,10 @@ class Receiver:
         if store.compare_set(_key("accept", self.predecessor, number), "", "accepted") != b"accepted":
             return {}
         offer = json.loads(store.get(offer_key))
-        store.delete_key(offer_key)
+        try:
+            store.delete_key(offer_key)
+        except Exception:  # noqa: BLE001 - taken either way: a retry would wait for a deleted key
+            log.warning("could not delete offer %d of rank %d", number, self.predecessor, exc_info=True)
         return offer
 
     def _answer(self, number: int, answer: str) -> None:
@@ -192,7 +199,7 @@ class Receiver:
         self.received += 1
         try:
             self.comm.store.set(f"{REPLICA_OF_KEY}{self.predecessor}", generation.encode())
-        except Exception:  # noqa: BLE001 - unrecorded: the peers keep more, never less
+        except Exception:  # noqa: BLE001 - the peers keep what the previous record needs
             log.warning("could not record the replica of %s", generation, exc_info=True)
         if self.on_replica is not None:
             self.on_replica()

@@ -107,6 +107,7 @@ class NodeRing:
         if self.nodes > 1:  # the same on every rank: one node needs no group, no collective
             self._open_groups(backend, position)
         self._pushed: str | None = None
+        self._replica_of: dict[int, str] = {}  # leader -> its newest replica's generation, as last read
         self.fetched = 0  # files this rank received from peers for a restore (logs, tests)
         self.repair_failures: list[str] = []  # why a node's copy could not be completed
         self.fetched_for_load: list[str] = []  # other nodes' shard files this rank's loads read
@@ -189,20 +190,19 @@ class NodeRing:
     def protected(self) -> frozenset[str]:
         """Leaders (pruning or persistence thread, in the memory prune): this node's own
         committed generations to keep for another node lost meanwhile (``keep_for_rebuild``).
-        One store read per other leader."""
+        Two store requests per other leader; when the store fails (it lives on rank 0's node,
+        which may be the one lost), the records last read decide."""
         if not self.replicating or not self.is_leader:
             return frozenset()
-        committed = self._committed()
-        replica_of: dict[int, str] = {}
         try:
             for leader in self.leaders:
                 key = f"{REPLICA_OF_KEY}{leader}"
                 if leader != self.comm.rank and self.comm.store.check([key]):
-                    replica_of[leader] = self.comm.store.get(key).decode()
-        except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): keep the newest
-            log.warning("could not read the ring's replicas from the store", exc_info=True)
-            return frozenset(committed[:RING_KEEP])
-        return keep_for_rebuild(committed, replica_of.values())
+                    self._replica_of[leader] = self.comm.store.get(key).decode()
+        except Exception:  # noqa: BLE001 - the store is gone (with rank 0's node): as last read
+            log.warning("could not read the ring's replicas from the store; keeping what the "
+                        "last records need", exc_info=True)
+        return keep_for_rebuild(self._committed(), self._replica_of.values())
 
     def settle_replicas(self) -> None:
         """Leaders, pruning thread: the newest complete replica (its manifest arrived, last)
