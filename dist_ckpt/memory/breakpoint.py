@@ -40,11 +40,11 @@ import shutil
 import uuid
 from dataclasses import dataclass
 
-from ..digests import HASH_CHUNK, hasher
 from ..errors import DistCkptError, GenerationExists, ValidationError
+from ..format.copy import copy_verified
 from ..format.manifest import MANIFEST_NAME, Manifest, parse_generation, pending_dir_name
 from ..format.signing import SIGNATURE_NAME, key_from_env
-from ..format.validate import check_entry, check_sizes, check_structure, list_generations, move_latest
+from ..format.validate import check_sizes, check_structure, list_generations, move_latest
 from ..storage.local import LocalStore, fsync_dir, open_regular, write_durable
 
 LOCK_NAME = ".breakpoint.lock"
@@ -104,24 +104,6 @@ def _node_files(memory: LocalStore, generation: str, manifest: Manifest, nodes: 
         raise ValidationError(f"{generation}: this node holds none of its files", generation=generation)
     check_sizes(memory, generation, manifest.model_copy(update={"files": present}))
     return [f.path for f in present]
-
-
-def copy_verified(source: str, target: str, manifest: Manifest, path: str) -> None:
-    """Copy one listed file, hashing it as it goes; fsynced. Raises ``ValidationError`` when the
-    bytes do not match the manifest (the partial target is the caller's to discard)."""
-    entry = manifest.file(path)
-    assert entry is not None
-    digest = hasher(entry.algorithm)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    size = 0
-    with open_regular(source) as src, open(target, "wb") as sink:
-        while chunk := src.read(HASH_CHUNK):
-            digest.update(chunk)
-            sink.write(chunk)
-            size += len(chunk)
-        sink.flush()
-        os.fsync(sink.fileno())
-    check_entry(manifest.generation, path, entry, size, digest.hexdigest())
 
 
 @dataclass
@@ -186,7 +168,8 @@ def _copy(memory_root: str, pending: str, generation: str, manifest: Manifest, f
                 and os.path.getsize(target) == entry.size:
             continue  # another node brought it, verified
         try:
-            copy_verified(os.path.join(memory_root, generation, rel), target, manifest, path)
+            assert entry is not None  # a listed file (_node_files)
+            copy_verified(os.path.join(memory_root, generation, rel), target, entry, generation)
         except ValidationError:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(target)

@@ -11,13 +11,14 @@ rank 0 publishes its node's files with the manifest rank 0 committed (``publish_
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import uuid
 
 from .. import faults, logs
-from ..digests import hasher
 from ..errors import GenerationExists
+from ..format.copy import copy_verified
 from ..format.manifest import (
     DCP_DIR,
     MANIFEST_NAME,
@@ -30,7 +31,7 @@ from ..format.manifest import (
     pending_dir_name,
 )
 from ..format.signing import SIGNATURE_NAME, sign
-from ..format.validate import Problem, check_entry, check_sizes, move_latest
+from ..format.validate import Problem, check_sizes, move_latest
 from ..storage.base import is_remote
 from ..storage.directio import durable_file, resolve_direct_io
 from ..storage.local import LocalStore, fsync_dir, write_durable
@@ -45,7 +46,6 @@ from .base import (
 from .rejected import move_aside, replace_file
 
 log = logs.get(__name__)
-COPY_CHUNK = 8 << 20
 
 
 class RenameAttempt:
@@ -70,7 +70,7 @@ class RenameAttempt:
         for entry in (FileEntry(**fields) for fields in entries):
             copy_verified(os.path.join(self.source_dir, entry.path),
                           os.path.join(self.local_dir, entry.path), entry, self.generation,
-                          direct=self.direct_io)
+                          open_target=functools.partial(durable_file, direct=self.direct_io))
 
     def publish(self, manifest: Manifest, signing_key: bytes | None) -> bytes:
         raw = manifest.to_bytes()
@@ -113,22 +113,6 @@ class RenameAttempt:
 
     def abandon(self) -> None:
         shutil.rmtree(self.local_dir, ignore_errors=True)  # a replay's copy, never its source
-
-
-def copy_verified(source: str, target: str, entry: FileEntry, generation: str, *,
-                  direct: bool = False) -> None:
-    """Copy one file of a committed generation durably, hashing it on the way: bytes that no
-    longer match the manifest (a bit flipped in memory) never reach the target tier.
-    ``direct``: past the page cache where the target's filesystem allows (``directio``)."""
-    digest = hasher(entry.algorithm)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    size = 0
-    with open(source, "rb") as src, durable_file(target, direct=direct) as sink:
-        while chunk := src.read(COPY_CHUNK):
-            digest.update(chunk)
-            sink.write(memoryview(chunk))
-            size += len(chunk)
-    check_entry(generation, entry.path, entry, size, digest.hexdigest())
 
 
 class RenameTier:

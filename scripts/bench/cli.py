@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="compare: 'caching' (default) starts the ranks with glibc keeping freed "
                              "memory (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_), as a caching "
                              "allocator would; 'glibc' leaves glibc's defaults")
+    parser.add_argument("--job", choices=jobs.JOBS, default="full",
+                        help="compare: 'full' (every parameter trained) or 'finetune' (a frozen base "
+                             "of --state-mib per rank with trainable low-rank adapters)")
+    parser.add_argument("--kind", choices=("fsdp", "ddp"), default="fsdp",
+                        help="compare: FSDP2 (default) or DDP")
     parser.add_argument("--profile-cpu", action="store_true",
                         help="compare: per-thread CPU split (and py-spy stacks if installed) of one "
                              "dist_ckpt async save on rank 0")
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = {"state_mib": args.state_mib, "repeats": args.repeats, "profile": args.profile,
            "phases": args.phases, "steps": args.steps, "profile_cpu": args.profile_cpu,
-           "lost_pairs": args.lost_pairs, "allocator": args.allocator}
+           "lost_pairs": args.lost_pairs, "allocator": args.allocator, "job": args.job,
+           "kind": args.kind}
     started = time.perf_counter()
     walls: dict[str, float] = {}
     base = tempfile.mkdtemp(prefix="bench-", dir=args.dir)

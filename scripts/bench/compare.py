@@ -62,6 +62,13 @@ def cpu_seconds() -> tuple[float, float]:
     return usage.ru_utime, usage.ru_stime
 
 
+def trainable_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """This rank's bytes of what training changes: trained parameters and the optimizer state."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return jobs.tensor_bytes(jobs.local_tensors(trained)) + \
+        jobs.tensor_bytes(jobs.local_tensors(optimizer.state_dict()["state"]))
+
+
 def standalone(job: Job, method: Method, series: dict[str, list[float]]) -> None:
     """One save, nothing else running: blocking, to durable, CPU user and system seconds."""
     jobs.barrier()
@@ -74,6 +81,7 @@ def standalone(job: Job, method: Method, series: dict[str, list[float]]) -> None
     user_after, system_after = cpu_seconds()
     series["cpu_user"].append(user_after - user)
     series["cpu_sys"].append(system_after - system)
+    series["written"].append(float(method.written_bytes()))
     method.cleanup()
 
 
@@ -111,7 +119,7 @@ def lost_pair(job: Job, method: Method, with_first: bool, series: dict[str, list
 
 
 SERIES = ("block", "e2e", "cpu_user", "cpu_sys", "steps_with", "steps_without", "lost", "cpu_lost",
-          "block_in_steps")
+          "block_in_steps", "written")
 
 
 def measure_saves(job: Job, methods: dict[str, Method], repeats: int,
@@ -206,13 +214,15 @@ def profile_cpu(job: Job, method: Method) -> dict[str, Any] | None:
 def rank_compare(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[str, Any]:
     """One rank of the 2-rank compare run; leaves the sync root for the reshard run."""
     torch.set_num_threads(1)
-    model, optimizer, state = jobs.build_job(cfg["state_mib"], rank, world)
+    model, optimizer, state = jobs.build_job(cfg["state_mib"], rank, world, cfg.get("kind", "fsdp"),
+                                             cfg.get("job", "full"))
     job = Job(rank, model, optimizer, state, cfg["steps"], dist.new_group(backend="gloo"))
     root = os.path.join(base, "compare")
     methods = build_methods(root, rank, model, optimizer, state, job.group)
     walls: dict[str, float] = {}
     out: dict[str, Any] = {"rank": rank, "lazy": lazy_supported(), "methods": list(methods),
-                           "state_bytes": jobs.tensor_bytes(jobs.local_tensors(state.tensor_state()))}
+                           "state_bytes": jobs.tensor_bytes(jobs.local_tensors(state.tensor_state())),
+                           "trainable_bytes": trainable_bytes(model, optimizer)}
     sync = methods[OUR_SYNC]
     assert isinstance(sync, OurSave)
     try:
@@ -241,7 +251,8 @@ def rank_compare(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[
 def rank_compare_reshard(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, Any]:
     """Verified ``restore()`` vs ``dcp.load`` at ``world`` ranks of the 2-rank generation."""
     torch.set_num_threads(1)
-    model, optimizer, state = jobs.build_job_sized(cfg["state_mib"], rank, world, size_world=2)
+    model, optimizer, state = jobs.build_job_sized(cfg["state_mib"], rank, world, 2, cfg.get("kind", "fsdp"),
+                                                   cfg.get("job", "full"))
     generation, dcp_dir = generation_dcp_dir(root)
     with CheckpointManager(CheckpointConfig(root=root), state) as mgr:
         times = measure_restore(mgr, model, optimizer, dcp_dir, None, cfg["repeats"])

@@ -70,6 +70,15 @@ class Method:
     def close(self) -> None:
         """Nothing by default."""
 
+    def written_bytes(self) -> int:
+        """Bytes on disk of the last save, every rank's files (all ranks, after ``finish``)."""
+        raise NotImplementedError
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(parent, name))
+               for parent, _dirs, names in os.walk(path) for name in names)
+
 
 class OurSave(Method):
     """``CheckpointManager.save`` (eager or lazy snapshot, or sync); ``keep_last=2`` bounds disk."""
@@ -89,6 +98,11 @@ class OurSave(Method):
 
     def close(self) -> None:
         self.mgr.close()
+
+    def written_bytes(self) -> int:
+        from dist_ckpt.format.manifest import generation_name
+
+        return tree_bytes(os.path.join(self.root, generation_name(self.update)))
 
 
 class DcpSave(Method):
@@ -134,6 +148,9 @@ class DcpSave(Method):
     def finish(self, handle: Any) -> None:
         if self.name != DCP_SYNC:
             dcp_wait(handle)
+
+    def written_bytes(self) -> int:
+        return tree_bytes(self.paths[-1])
 
     def cleanup(self) -> None:
         jobs.barrier()

@@ -10,11 +10,12 @@ from typing import Any
 from . import jobs
 from .compare_methods import ASYNC, DCP_ASYNC, DCP_STAGED, DCP_SYNC, ORDER, OUR_EAGER, OUR_LAZY, OUR_SYNC
 
-GiB = 1 << 30
+GiB, MiB = 1 << 30, 1 << 20
 BLOCK, LOST, CPU = "save() blocking (s)", "training time lost per checkpoint (s)", \
     "CPU user + system per GiB saved (s)"
 CPU_SYS, E2E, SYNC = "  of which system (s)", "save() -> durable (s)", "synchronous save (s)"
 RESTORE, RESHARD = "restore, 2 ranks (s)", "restore, 2 -> 3 ranks (s)"
+WRITTEN = "bytes written per save (MiB)"
 SHORT = {OUR_EAGER: "ours eager", OUR_LAZY: "ours lazy", OUR_SYNC: "ours sync", DCP_SYNC: "DCP save",
          DCP_ASYNC: "DCP async", DCP_STAGED: "DCP staged"}
 
@@ -37,13 +38,15 @@ def cpu_per_gib(rank: dict[str, Any], name: str, user_share: float = 1.0) -> lis
 def cells(ranks: list[dict[str, Any]], reshard: list[dict[str, Any]]) -> Cells:
     """Every measured cell; restore rows sit in the sync columns (verified restore() under
     dist_ckpt, dcp.load under DCP save), the synchronous save row in the sync columns only."""
-    out: Cells = {BLOCK: {}, LOST: {}, CPU: {}, CPU_SYS: {}, E2E: {}, SYNC: {}, RESTORE: {}, RESHARD: {}}
+    out: Cells = {BLOCK: {}, LOST: {}, CPU: {}, CPU_SYS: {}, E2E: {}, SYNC: {}, RESTORE: {}, RESHARD: {},
+                  WRITTEN: {}}
     for name in ranks[0]["methods"]:
         out[BLOCK][name] = slowest(ranks, lambda r, n=name: r["saves"][n]["block"])
         out[LOST][name] = slowest(ranks, lambda r, n=name: r["saves"][n]["lost"])
         out[CPU][name] = slowest(ranks, lambda r, n=name: cpu_per_gib(r, n))
         out[CPU_SYS][name] = slowest(ranks, lambda r, n=name: cpu_per_gib(r, n, user_share=0.0))
         out[E2E][name] = slowest(ranks, lambda r, n=name: r["saves"][n]["e2e"])
+        out[WRITTEN][name] = slowest(ranks, lambda r, n=name: [b / MiB for b in r["saves"][n]["written"]])
         if name not in ASYNC:
             out[SYNC][name] = out[E2E][name]
     for row, results in ((RESTORE, ranks), (RESHARD, reshard)):
@@ -115,7 +118,11 @@ def cell_text(table: Cells, row: str, name: str) -> str:
 
 def print_compare(table: Cells, ratio_values: dict[str, dict[str, Any]], info: dict[str, Any]) -> None:
     names = [name for name in ORDER if name in info["methods"]]
-    print(f"\ncompare: {info['state_mib']} MiB per rank, 2 gloo ranks, FSDP2, {info['repeats']} "
+    job = ("fine-tuning: frozen base of that size, trainable state (adapters + AdamW) "
+           f"{info['trainable_bytes'] / (1 << 20):.1f} MiB over both ranks"
+           if info.get("job") == "finetune" else "model + AdamW state")
+    print(f"\ncompare: {info['state_mib']} MiB per rank ({job}), 2 gloo ranks, "
+          f"{'DDP' if info.get('kind') == 'ddp' else 'FSDP2'}, {info['repeats']} "
           f"repetitions, time lost over {info['steps']} train steps (idle {info['steps_s']:.3f} s) in "
           f"{info['lost_pairs']} pairs; "
           f"medians of the slowest rank; restores warm (page cache kept for both)")
@@ -157,7 +164,9 @@ def analyse(raw: dict[str, Any], cfg: dict[str, Any]) -> tuple[Cells, Targets, d
             "lost_pairs": len(table[LOST][ranks[0]["methods"][0]]),
             "lost_quartiles": {name: quartiles(values) for name, values in table[LOST].items()},
             "allocator": cfg.get("allocator", "glibc default"),
-            "state_bytes": ranks[0]["state_bytes"], "generation": ranks[0]["generation"]}
+            "state_bytes": ranks[0]["state_bytes"], "generation": ranks[0]["generation"],
+            "job": cfg.get("job", "full"), "kind": cfg.get("kind", "fsdp"),
+            "trainable_bytes": sum(r["trainable_bytes"] for r in ranks)}
     return table, ratios(table, info["copy_s"]), info
 
 

@@ -37,27 +37,61 @@ class Wide(torch.nn.Module):
         return x
 
 
+class Adapted(torch.nn.Module):
+    """Fine-tuning: a frozen base of square linear layers (``base_mib`` of fp32 weights per
+    rank when sharded over ``world`` ranks; over 1 rank for DDP, which replicates) and, per
+    layer, a trainable low-rank adapter (down to ``adapter_rank``, then up: LoRA's shape) whose
+    parameters are the only ones the optimizer holds."""
+
+    def __init__(self, base_mib: int, world: int, layers: int = 8, adapter_rank: int = 8) -> None:
+        super().__init__()
+        width = int((base_mib * MiB * world // 4 / layers) ** 0.5)
+        def linears(fan_in: int, fan_out: int) -> torch.nn.ModuleList:
+            return torch.nn.ModuleList(torch.nn.Linear(fan_in, fan_out, bias=False) for _ in range(layers))
+
+        self.layers = linears(width, width)
+        self.down, self.up = linears(width, adapter_rank), linears(adapter_rank, width)
+        for layer in self.layers:
+            layer.weight.requires_grad_(False)
+        self.width = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, down, up in zip(self.layers, self.down, self.up, strict=True):
+            x = torch.relu(layer(x) + up(down(x)))
+        return x
+
+
+JOBS = ("full", "finetune")
 Job = tuple[torch.nn.Module, torch.optim.Optimizer, Any]  # model, optimizer, TrainState
 
 
-def build_job(state_mib: int, rank: int, world: int, kind: str = "fsdp") -> Job:
-    return build_job_sized(state_mib, rank, world, world, kind)
+def build_job(state_mib: int, rank: int, world: int, kind: str = "fsdp", job: str = "full") -> Job:
+    return build_job_sized(state_mib, rank, world, world, kind, job)
 
 
-def build_job_sized(state_mib: int, rank: int, world: int, size_world: int, kind: str = "fsdp") -> Job:
+def build_job_sized(state_mib: int, rank: int, world: int, size_world: int, kind: str = "fsdp",
+                    job: str = "full") -> Job:
     """Like :func:`build_job` on ``world`` ranks, but with the model that ``build_job`` builds for
-    ``size_world`` ranks (same global model: for restoring a generation at another world size)."""
+    ``size_world`` ranks (same global model: for restoring a generation at another world size).
+    ``kind``: ``fsdp`` (FSDP2, every layer its own unit) or ``ddp``. ``job``: ``full`` (every
+    parameter trained: ``state_mib`` is model + AdamW state) or ``finetune`` (``Adapted``:
+    ``state_mib`` is the frozen base)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
     from dist_ckpt import ResumableSampler, TrainState
 
     torch.manual_seed(0)
-    model = Wide(state_mib, size_world)
+    shards = size_world if kind == "fsdp" else 1
+    model: torch.nn.Module = Wide(state_mib, shards) if job == "full" else Adapted(state_mib, shards)
     if kind == "fsdp":
-        for layer in model.layers:
-            fully_shard(layer)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                fully_shard(module)
         fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        model = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     sampler = ResumableSampler(10_000, 2, rank=rank, world_size=world)
     train_step(model, optimizer)
     return model, optimizer, TrainState(model, optimizer, sampler=sampler)
