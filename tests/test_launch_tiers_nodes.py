@@ -1,0 +1,180 @@
+"""The whole hierarchy on two nodes under the launcher: memory tier, node-local roots, an S3
+mirror (moto). Each node is a ``python -m launch --nnodes 2`` process in its own mount
+namespace, where the checkpoint path is bind-mounted onto that node's own disk, with a
+shared-memory base of its own.
+
+- Both nodes lose disks and memory: a first run commits in memory, persists every generation
+  to each node's disk (its ranks' files plus the common files) and mirrors it, then both ranks
+  are SIGKILLed and the launchers give up; everything local is removed; two new launchers
+  resume from the mirror, at the generation it held when the ranks died, and finish bitwise
+  equal to an uninterrupted run.
+- One node lost outright (launcher SIGKILLed, its disk and memory gone, as a replaced
+  machine): both nodes resume from memory and finish bitwise; the final generation reaches
+  every node's disk and the mirror.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest, parse_generation
+from dist_ckpt.launcher_api import mirror_run_url
+from dist_ckpt.memory import paths as shm
+from dist_ckpt.storage.base import open_store
+from dist_ckpt.testing import free_port
+from tests.helpers import launchlib
+from tests.helpers.launchlib import read_log
+
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600), pytest.mark.long(
+    reason="two launchers as two nodes, twice: four chains of fresh interpreters importing "
+           "torch, plus the uploads to the S3 server")]
+JOB = ("--memory-tier", "--persist-every", "1", "--updates", "10", "--save-every", "1")
+CRASH = ("--crash-at", "7", "--crash-rank", "-1", "--crash-after-mirrored")
+MIRRORED = "gen-000000000006"  # the newest save when the ranks die before update 7
+
+
+def _start_node(tmp_path, node: int, port: int, mirror: str, script_args: tuple[str, ...],
+                *launcher_args: str) -> subprocess.Popen:
+    """One node's launcher: ``disk<node>`` mounted as the checkpoint path, ``shm<node>`` its
+    shared memory."""
+    command = launchlib.command(
+        str(tmp_path / "ckpt"), "--mirror", mirror, "--run-id", "job", "--backoff", "0.5",
+        *launcher_args, nproc=1, nnodes=2, rdzv_port=port, rdzv_id="tiers", script_args=script_args)
+    script = f"mount --bind {tmp_path / f'disk{node}'} {tmp_path / 'ckpt'} && exec {' '.join(command)}"
+    env = dict(launchlib.env(), **{shm.SHM_DIR_ENV: str(tmp_path / f"shm{node}")})
+    return subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=launchlib.REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _outputs(tmp_path, procs: list[subprocess.Popen]) -> list[str]:
+    """Each launcher's output once it ended (also appended to nodeN.log), after its exit code."""
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    for node, output in enumerate(outputs):
+        with open(tmp_path / f"node{node % 2}.log", "a") as log:
+            log.write(output)
+    return [f"exit {proc.returncode}\n{output}" for proc, output in zip(procs, outputs, strict=True)]
+
+
+def _nodes(tmp_path, mirror: str, script_args: tuple[str, ...], *launcher_args: str) -> list[str]:
+    port = free_port()
+    return _outputs(tmp_path, [_start_node(tmp_path, node, port, mirror, script_args, *launcher_args)
+                               for node in (0, 1)])
+
+
+def _fresh_locals(tmp_path) -> list:
+    (tmp_path / "ckpt").mkdir()
+    made = [tmp_path / name for name in ("disk0", "disk1", "shm0", "shm1")]
+    for directory in made:
+        directory.mkdir()
+    return made
+
+
+def _assert_bitwise(tmp_path) -> None:
+    expected = torch.load(tmp_path / "reference.pt", weights_only=True)
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert expected.keys() == got.keys() and len(got) > 4
+    assert all(torch.equal(expected[k], got[k]) for k in expected), "resumed run diverged"
+
+
+def test_two_nodes_lose_disks_and_memory_and_resume_from_the_mirror_bitwise(s3_root: str, tmp_path) -> None:
+    launchlib.reference(str(tmp_path / "reference"), *JOB, "--dump-final", str(tmp_path / "reference.pt"))
+    locals_ = _fresh_locals(tmp_path)
+    first = _nodes(tmp_path, s3_root, (*JOB, *CRASH), "--max-starts", "1")
+    assert all(out.startswith("exit 3\n") for out in first), [out[-3000:] for out in first]  # gave up
+    mirror = open_store(mirror_run_url(s3_root, "job"))
+    mirrored = Manifest.from_bytes(mirror.read_bytes(f"{MIRRORED}/{MANIFEST_NAME}"), generation=MIRRORED)
+    ranks_held = []
+    for node in (0, 1):  # each node's disk: its rank's files and the common ones
+        copy = tmp_path / f"disk{node}" / "runs" / "job" / MIRRORED
+        own = Manifest.from_bytes((copy / MANIFEST_NAME).read_bytes(), generation=MIRRORED)
+        assert own.identity() == mirrored.identity()  # the same save (its data_dir is per tier)
+        held = {f.path for f in own.files if (copy / own.location(f.path)).exists()}
+        (rank,) = [r for r in (0, 1) if f"state/rank-{r:05d}.json" in held]  # torchrun's choice
+        ranks_held.append(rank)
+        expected = {f.path for f in mirrored.files if f.rank == rank} | {"dcp/.metadata",
+                                                                         "state/train_state.json"}
+        assert held == expected, (node, sorted(held))
+    assert sorted(ranks_held) == [0, 1]
+    # both machines replaced: nothing of theirs survives, the mirror does
+    for directory in locals_:
+        shutil.rmtree(directory)
+        directory.mkdir()
+    second = _nodes(tmp_path, s3_root, (*JOB, "--dump-final", str(tmp_path / "final.pt")))
+    assert all(out.startswith("exit 0\n") for out in second), [out[-3000:] for out in second]
+    for node in (0, 1):
+        log = read_log(str(tmp_path / f"disk{node}"))
+        assert [(s["classification"], s["resumed_from"], s["resumed_tier"]) for s in log] == \
+            [("done", MIRRORED, "object store")], log
+        done = json.loads((tmp_path / f"disk{node}" / "runs" / "job" / "DONE.json").read_text())
+        assert done["generation"] == "gen-000000000010"
+    assert mirror.exists(f"gen-000000000010/{MANIFEST_NAME}")
+    _assert_bitwise(tmp_path)
+    assert not any(os.listdir(tmp_path / f"shm{node}") for node in (0, 1))  # DONE: memory removed
+
+
+def _newest_in_memory(shm_dir) -> int:
+    newest = -1
+    for parent, _dirs, files in os.walk(shm_dir):
+        number = parse_generation(os.path.basename(parent))
+        if number is not None and MANIFEST_NAME in files:
+            newest = max(newest, number)
+    return newest
+
+
+def test_a_lost_node_of_the_hierarchy_resumes_from_memory(s3_root: str, tmp_path) -> None:
+    """Node 1 lost outright (launcher and worker SIGKILLed, then its disk and memory gone, as
+    a replaced machine): both nodes resume from memory (node 1's files from the replica node
+    0 holds), nothing persisted yet (``--persist-every 100``), and finish bitwise; the
+    final generation reaches every tier."""
+    job = ("--memory-tier", "--persist-every", "100", "--updates", "12", "--save-every", "1",
+           "--commit-timeout", "8")
+    launchlib.reference(str(tmp_path / "reference"), *job, "--dump-final", str(tmp_path / "reference.pt"))
+    _fresh_locals(tmp_path)
+    port = free_port()
+    script_args = (*job, "--dump-final", str(tmp_path / "final.pt"))
+    nodes = [_start_node(tmp_path, node, port, s3_root, script_args) for node in (0, 1)]
+    try:
+        launchlib.wait_for(lambda: _newest_in_memory(tmp_path / "shm1") >= 4, 240,
+                           "node 1 to hold generation 4 in memory")
+        lost_at = _newest_in_memory(tmp_path / "shm1")
+        os.killpg(nodes[1].pid, signal.SIGKILL)  # the launcher; its agent and worker follow it
+        nodes[1].communicate(timeout=60)
+        launchlib.wait_for(lambda: any(s["classification"] == "transient"
+                                       for s in read_log(str(tmp_path / "disk0"))),
+                           90, "node 0's start to end")
+        for directory in ("disk1", "shm1"):  # the replacement machine: nothing of the old one
+            shutil.rmtree(tmp_path / directory)
+            (tmp_path / directory).mkdir()
+        nodes[1] = _start_node(tmp_path, 1, port, s3_root, script_args)
+        outputs = _outputs(tmp_path, nodes)
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert all(out.startswith("exit 0\n") for out in outputs), [out[-3000:] for out in outputs]
+    finished = [s for node in (0, 1) for s in read_log(str(tmp_path / f"disk{node}"))
+                if s["classification"] == "done"]
+    assert len(finished) == 2, finished
+    resumed = {(s["resumed_from"], s["resumed_tier"]) for s in finished}
+    ((generation, tier),) = resumed  # both nodes from the same generation
+    assert tier == "memory" and parse_generation(generation) >= lost_at - 1, (resumed, lost_at)
+    _assert_bitwise(tmp_path)
+    mirror = open_store(mirror_run_url(s3_root, "job"))
+    assert mirror.exists(f"gen-000000000012/{MANIFEST_NAME}")
+    for node in (0, 1):
+        assert (tmp_path / f"disk{node}" / "runs" / "job" / "gen-000000000012" / MANIFEST_NAME).exists()
