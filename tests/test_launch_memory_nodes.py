@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from dist_ckpt.format.manifest import MANIFEST_NAME, parse_generation
+from dist_ckpt.format.manifest import parse_generation
 from dist_ckpt.format.validate import list_generations
 from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.local import LocalStore
@@ -42,16 +42,6 @@ def _node(root: str, shm_dir: str, port: int, dump: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _newest_in_memory(shm_dir: str) -> int:
-    """The newest committed generation number anywhere under a node's shared memory."""
-    newest = -1
-    for parent, _dirs, files in os.walk(shm_dir):
-        number = parse_generation(os.path.basename(parent))
-        if number is not None and MANIFEST_NAME in files:
-            newest = max(newest, number)
-    return newest
-
-
 def test_lost_node_resumes_from_its_peers_replica(tmp_path) -> None:
     launchlib.reference(str(tmp_path / "reference"), *JOB, "--dump-final", str(tmp_path / "reference.pt"))
     root = str(tmp_path / "root")
@@ -63,9 +53,9 @@ def test_lost_node_resumes_from_its_peers_replica(tmp_path) -> None:
     nodes = [_node(root, directory, port, final) for directory in shm_dirs]
     outputs: list[str] = []
     try:
-        launchlib.wait_for(lambda: _newest_in_memory(shm_dirs[1]) >= 4, 240,
+        launchlib.wait_for(lambda: launchlib.newest_in_memory(shm_dirs[1]) >= 4, 240,
                            "node 1 to hold generation 4 in memory")
-        lost_at = _newest_in_memory(shm_dirs[1])
+        lost_at = launchlib.newest_in_memory(shm_dirs[1])
         # the first start's workers (which rank landed on which node is torchrun's choice)
         workers = list(launchlib.worker_pids(root).values())
         os.killpg(nodes[1].pid, signal.SIGKILL)  # the whole node: launcher, then its workers

@@ -127,15 +127,6 @@ def test_two_nodes_lose_disks_and_memory_and_resume_from_the_mirror_bitwise(s3_r
     assert not any(os.listdir(tmp_path / f"shm{node}") for node in (0, 1))  # DONE: memory removed
 
 
-def _newest_in_memory(shm_dir) -> int:
-    newest = -1
-    for parent, _dirs, files in os.walk(shm_dir):
-        number = parse_generation(os.path.basename(parent))
-        if number is not None and MANIFEST_NAME in files:
-            newest = max(newest, number)
-    return newest
-
-
 def test_a_lost_node_of_the_hierarchy_resumes_from_memory(s3_root: str, tmp_path) -> None:
     """Node 1 lost outright (launcher and worker SIGKILLed, then its disk and memory gone, as
     a replaced machine): both nodes resume from memory (node 1's files from the replica node
@@ -149,9 +140,9 @@ def test_a_lost_node_of_the_hierarchy_resumes_from_memory(s3_root: str, tmp_path
     script_args = (*job, "--dump-final", str(tmp_path / "final.pt"))
     nodes = [_start_node(tmp_path, node, port, s3_root, script_args) for node in (0, 1)]
     try:
-        launchlib.wait_for(lambda: _newest_in_memory(tmp_path / "shm1") >= 4, 240,
+        launchlib.wait_for(lambda: launchlib.newest_in_memory(tmp_path / "shm1") >= 4, 240,
                            "node 1 to hold generation 4 in memory")
-        lost_at = _newest_in_memory(tmp_path / "shm1")
+        lost_at = launchlib.newest_in_memory(tmp_path / "shm1")
         os.killpg(nodes[1].pid, signal.SIGKILL)  # the launcher; its agent and worker follow it
         nodes[1].communicate(timeout=60)
         launchlib.wait_for(lambda: any(s["classification"] == "transient"

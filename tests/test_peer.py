@@ -272,3 +272,18 @@ def test_a_node_keeps_what_rebuilds_any_other_node(committed, replicas_of_others
     names = [generation_name(n) for n in committed]
     got = keep_for_rebuild(names, [generation_name(n) for n in replicas_of_others])
     assert got == {generation_name(n) for n in kept}
+
+
+def test_the_inventory_reports_every_generation_a_node_keeps_for_a_rebuild(tmp_path) -> None:
+    """A lost node is rebuilt at its newest replica's generation, which can be the oldest a
+    peer keeps (``keep_for_rebuild``): the restore plan must see that copy."""
+    from dist_ckpt.format.manifest import generation_name
+    from dist_ckpt.memory.plan import inventory
+    from dist_ckpt.memory.ring import RING_KEEP_MAX
+
+    names = [generation_name(n) for n in range(9, 9 - RING_KEEP_MAX - 1, -1)]  # newest first
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    held = inventory({"memory": [(n, n) for n in names]}, {"memory": str(tmp_path)})
+    assert sorted(held["memory"]) == sorted(names[:RING_KEEP_MAX])

@@ -29,7 +29,9 @@ from ..format.signing import SIGNATURE_NAME
 from ..format.validate import check_entry
 from ..storage.local import file_digest
 
-HELD = 2  # newest generations per root a leader reports
+# newest generations per root a leader reports: every one a node may keep for rebuilding
+# another (ring.RING_KEEP_MAX), as a lost node's newest replica can be that old
+HELD = 4
 
 
 @dataclass(frozen=True)

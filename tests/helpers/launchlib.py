@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dist_ckpt import runinfo
+from dist_ckpt.format.manifest import MANIFEST_NAME, parse_generation
 from dist_ckpt.launcher_api import CURRENT_NAME, LAUNCH_LOG_NAME, RUNS_DIR, STARTS_DIR
 from dist_ckpt.testing import enter_rank, free_port, rank_context, rank_environment
 
@@ -107,6 +108,16 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.1)
+
+
+def newest_in_memory(shm_dir: str) -> int:
+    """The newest committed generation number anywhere under a node's shared memory (-1: none)."""
+    newest = -1
+    for parent, _dirs, files in os.walk(shm_dir):
+        number = parse_generation(os.path.basename(parent))
+        if number is not None and MANIFEST_NAME in files:
+            newest = max(newest, number)
+    return newest
 
 
 def worker_pids(root: str) -> dict[int, int]:
