@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class DistCkptError(Exception):
     """Root of every error raised by dist_ckpt."""
@@ -95,6 +97,11 @@ class StagingError(DistCkptError):
     """The state could not be copied into staging buffers."""
 
 
+def per_rank(failures: Mapping[int, object]) -> str:
+    """A multi-rank failure's map as one clause: ``rank 0: why; rank 1: why``."""
+    return "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+
+
 class CommitError(DistCkptError):
     """A generation failed to commit. ``failures`` maps rank -> reason; ``generation`` names it."""
 
@@ -102,7 +109,7 @@ class CommitError(DistCkptError):
                  failures: dict[int, str] | None = None):
         self.generation = generation
         self.failures = dict(failures or {})
-        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
+        detail = per_rank(self.failures)
         super().__init__(f"{message}" + (f" ({detail})" if detail else ""))
 
 
@@ -111,8 +118,7 @@ class RestoreError(DistCkptError):
 
     def __init__(self, message: str, *, failures: dict[int, str]):
         self.failures = dict(failures)
-        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
-        super().__init__(f"{message}: {detail}")
+        super().__init__(f"{message}: {per_rank(self.failures)}")
 
 
 class StorageError(DistCkptError):
@@ -125,8 +131,7 @@ class InsufficientSpace(StorageError):
 
     def __init__(self, message: str, *, shortfalls: dict[int, str]):
         self.shortfalls = dict(shortfalls)
-        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.shortfalls.items()))
-        super().__init__(f"{message} ({detail})")
+        super().__init__(f"{message} ({per_rank(self.shortfalls)})")
 
 
 class RankMismatch(DistCkptError):

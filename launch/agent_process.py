@@ -62,8 +62,7 @@ class AgentProcess:
                  target: Callable[[list[str]], int] | None = None) -> None:
         """Fork; the child runs ``target(argv)`` (default ``launch.agent.main``) and exits
         with what it returns."""
-        for stream in (sys.stdout, sys.stderr):  # a buffered line must not be printed twice
-            stream.flush()
+        _flush()  # a buffered line must not be printed twice
         launcher = os.getpid()
         pid = os.fork()
         if pid == 0:  # never returns: nothing of the launcher's stack runs in the child

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError
+from ..errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError, per_rank
 from ..format.manifest import (
     COMMON_FILES,
     DCP_DIR,
@@ -279,9 +279,8 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
         failed = verification_failures(exc, reader.errors, comm.rank)
         if not failed:
             raise
-        detail = "; ".join(f"rank {rank}: {failure}" for rank, failure in sorted(failed.items()))
         first = failed[min(failed)]
-        raise ValidationError(f"{name} could not be loaded: {detail}", generation=name,
+        raise ValidationError(f"{name} could not be loaded: {per_rank(failed)}", generation=name,
                               path=getattr(first, "path", None)) from exc
     finally:
         if verifying is not None:
