@@ -121,6 +121,19 @@ class CheckpointConfig(BaseModel):
                     "buffered elsewhere (NFS, FUSE, overlay); `True` tries it on any local root, "
                     "falling back to buffered writes where the filesystem refuses it; `False` writes "
                     "through the page cache (a restore soon after then reads from memory).")
+    incremental: bool = Field(
+        default=True,
+        description="Incremental generations: a frozen parameter (`requires_grad=False`, or in no optimizer "
+                    "param group) of over 64 KiB on this rank is written once, as a shared object under "
+                    "`ROOT/objects/`, and later generations reference it while its bytes provably did not "
+                    "change (the same parameter object, data pointer and version counter); anything not "
+                    "proven is written in full. `False` writes every tensor in every generation. Saves "
+                    "whose target holds one copy per node (node-local roots or memory on several nodes) "
+                    "and object-store roots write in full. See docs/incremental.md.")
+    reuse_full_every: int = Field(
+        default=0, ge=0,
+        description="With `incremental`, every Nth save of a run rewrites its frozen tensors too (fresh "
+                    "objects); the default 0 never does.")
     background_nice: int = Field(
         default=10, ge=0, le=19,
         description="CPU priority drop (added nice value, 0 to 19) of the background threads "

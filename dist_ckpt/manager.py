@@ -52,6 +52,7 @@ from .save.coordinator import SaveJob, SaveRequest, run_save
 from .save.inflight import InFlight, SaveStats
 from .save.planning import PreparedSave, SavePlanCache, layout_fingerprint
 from .save.request import ManifestInfo
+from .save.reuse import ReusePlan, open_ledger, settling
 from .save.schedule import SaveSchedule
 from .save.snapshot import PendingCopy, lazy_snapshots, run_after_copy
 from .save.space import check_space
@@ -131,6 +132,8 @@ class CheckpointManager:
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
         self.after_commit = AfterCommit(self.ctx, self.staging, self.memory, self.replayer, self.pruner)
         self.plans = SavePlanCache(self.comm)
+        self.reuse = open_ledger(config, state, single_copy=len(self.comm.fs_group) == self.comm.world_size,
+                                 shares_objects=getattr(self.tiers.target, "shares_objects", False))
         self.inflight = InFlight(self.comm)
         self._closed = False
         self._rehearsal: RehearsalResult | None = None
@@ -200,6 +203,8 @@ class CheckpointManager:
         self.stats.requested += 1
         live = self.state.tensor_state()
         fingerprint = layout_fingerprint(live)
+        reuse = self.reuse.plan(live, fingerprint) if self.reuse is not None else None
+        keep_live = reuse.keeps_live if reuse is not None else None
         name = generation_name(next_update)
         ahead: Staged | None = None
         try:
@@ -209,7 +214,7 @@ class CheckpointManager:
                 if ahead is None and self.snapshots is None \
                         and len(self.inflight) < self.config.max_in_flight:
                     # the eager copy runs while the peers' facts arrive
-                    ahead = stage_ahead(self.staging, live, pending, self.comm.rank)
+                    ahead = stage_ahead(self.staging, live, pending, self.comm.rank, keep_live)
                 agreed = facts.gathered(self.ctx, name, pending)
                 self.inflight.raise_agreed(sorted({g for f in agreed for g in f.errors}))
                 if not all(f.boundary for f in agreed):
@@ -229,7 +234,7 @@ class CheckpointManager:
             # once the in-flight bound allows the save: waiting or skipping comes first
             check_space(agreed, self.config.space_headroom_bytes, self.tiers.target.local_root)
             job = self._start(name, next_update, tokens_seen, live, fingerprint,
-                              all(f.cached for f in agreed), agreed[0].attempt_id, started, ahead)
+                              all(f.cached for f in agreed), agreed[0].attempt_id, started, ahead, reuse)
             ahead = None  # the job owns the slot now
         finally:
             if ahead is not None:  # the save did not start: the copy is dropped
@@ -295,8 +300,8 @@ class CheckpointManager:
         self.wait()
         return finish.write_done(self.ctx, name, self.replayer)
 
-    def _stage(self, live: dict, name: str, fingerprint: str, all_cached: bool,
-               ahead: Staged | None) -> tuple[StagingSlot | None, PreparedSave, PendingCopy | None]:
+    def _stage(self, live: dict, name: str, fingerprint: str, all_cached: bool, ahead: Staged | None,
+               reuse: ReusePlan | None) -> tuple[StagingSlot | None, PreparedSave, PendingCopy | None]:
         """This rank's staged copy (or, without staging, the live tensors) and its save plan;
         returns (slot, prepared plan, lazy copy still to run)."""
         if ahead is not None:
@@ -312,9 +317,10 @@ class CheckpointManager:
                 staged = live
             elif self.snapshots is not None:
                 staged, pending = self.snapshots.begin(slot, live, generation=name, rank=self.comm.rank,
-                                                       timeout_s=self.config.commit_timeout_s)
+                                                       timeout_s=self.config.commit_timeout_s,
+                                                       keep_live=reuse and reuse.keeps_live)
             else:
-                staged = slot.stage(live)
+                staged = slot.stage(live, reuse and reuse.keeps_live)
             return slot, self.plans.prepare(staged, fingerprint, all_cached), pending
         except BaseException:
             if slot is not None:
@@ -323,18 +329,18 @@ class CheckpointManager:
 
     def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
                fingerprint: str, all_cached: bool, attempt_id: str, started: float,
-               ahead: Staged | None = None) -> SaveJob:
+               ahead: Staged | None = None, reuse: ReusePlan | None = None) -> SaveJob:
         state = self.state
         state.next_update = next_update
         if tokens_seen is not None:
             state.tokens_seen = tokens_seen
-        slot, prepared, pending = self._stage(live, name, fingerprint, all_cached, ahead)
+        slot, prepared, pending = self._stage(live, name, fingerprint, all_cached, ahead, reuse)
         is_root = self.comm.rank == 0
         request = SaveRequest(
             generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
             attempt=self.tiers.target.begin(name, attempt_id), prepared=prepared,
             signing_key=self.config.signing_key,
-            digest_algorithm=self.config.digest_algorithm,
+            digest_algorithm=self.config.digest_algorithm, reuse=reuse,
             rank_state=codec.dumps(state.rank_state()),
             global_state=codec.dumps(state.global_state()) if is_root else None,
             info=ManifestInfo(world_size=self.comm.world_size, components=list(state.components),
@@ -342,7 +348,8 @@ class CheckpointManager:
                              contract_digest=contract_mod.digest(state.contract),
                              dist_ckpt_version=__version__) if is_root else None,
         )
-        job = SaveJob(request, on_done=functools.partial(self.after_commit.finished, slot))
+        job = SaveJob(request, on_done=settling(self.reuse, reuse, fingerprint, next_update,
+                                                functools.partial(self.after_commit.finished, slot)))
         job.blocking_s = time.perf_counter() - started  # set before the background thread starts
         args = (job, self.comm, self.config.io_threads, self.config.commit_timeout_s)
         if self.config.async_save:

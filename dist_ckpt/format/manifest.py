@@ -28,7 +28,11 @@ from ..errors import StorageError, UnsafeFileError, UnsafeNameError, ValidationE
 from ..storage.base import StoreReader, read_bounded
 
 FORMAT_VERSION = 2  # 2: an entry's digest may be blake3
-READABLE_FORMATS = (1, 2)
+# 3: the manifest may list shared objects (``OBJECTS_DIR``) that other generations reference too;
+# written only by a generation that lists one, so that older readers refuse it instead of
+# looking for the objects inside the generation
+INCREMENTAL_FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest.json"
 DCP_DIR = "dcp"
@@ -37,6 +41,16 @@ GLOBAL_STATE_FILE = f"{STATE_DIR}/train_state.json"
 METADATA_NAME = ".metadata"  # DCP's pickled metadata, written by rank 0
 METADATA_FILE = f"{DCP_DIR}/{METADATA_NAME}"
 COMMON_FILES = frozenset({METADATA_FILE, GLOBAL_STATE_FILE})  # rank 0 writes them, every rank reads them
+# Shared objects of incremental generations (docs/incremental.md): one frozen tensor item's
+# DCP record, named by the digest of its bytes, at ``<tier root>/objects/<digest>.distcp``
+# and listed, with its size and digest, by every generation that references it. Its manifest
+# path is ``objects/<name>``; DCP's metadata reaches it from the generation's ``dcp/``
+# directory as ``../../objects/<name>``, so plain ``dcp.load`` of a generation on a POSIX
+# root reads it where it lies.
+OBJECTS_DIR = "objects"
+OBJECT_SUFFIX = ".distcp"
+DCP_OBJECT_PREFIX = f"../../{OBJECTS_DIR}/"
+_OBJECT_RE = re.compile(rf"{OBJECTS_DIR}/([0-9a-f]{{64}}){re.escape(OBJECT_SUFFIX)}")
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILES = 1_000_000
 MAX_POINTER_BYTES = 64 << 10  # latest.json is about 200 bytes
@@ -172,6 +186,36 @@ def _check_listed_path(path: str, generation: str) -> None:
                               generation=generation, path=MANIFEST_NAME) from exc
 
 
+def object_path(digest: str) -> str:
+    """The manifest path of the shared object whose bytes have this digest (64 hex)."""
+    path = f"{OBJECTS_DIR}/{digest}{OBJECT_SUFFIX}"
+    if not _OBJECT_RE.fullmatch(path):
+        raise ValueError(f"{digest!r} is not a 64-hex digest")
+    return path
+
+
+def is_object_path(path: str) -> bool:
+    """Whether a manifest path names a shared object (``objects/<64 hex>.distcp``)."""
+    return isinstance(path, str) and _OBJECT_RE.fullmatch(path) is not None
+
+
+def dcp_entry_path(rel: str) -> str:
+    """The manifest path of a file DCP's metadata names ``rel`` (relative to ``dcp/``):
+    ``dcp/<rel>``, or ``objects/<name>`` for a shared object (``../../objects/<name>``)."""
+    if rel.startswith(DCP_OBJECT_PREFIX):
+        path = rel[len("../../"):]
+        if is_object_path(path):
+            return path
+    return f"{DCP_DIR}/{rel}"
+
+
+def dcp_relative_path(path: str) -> str:
+    """The inverse of :func:`dcp_entry_path`: what DCP's metadata names a listed file."""
+    if is_object_path(path):
+        return f"../../{path}"
+    return path.removeprefix(f"{DCP_DIR}/")
+
+
 def rank_state_file(rank: int) -> str:
     return f"{STATE_DIR}/rank-{rank:05d}.json"
 
@@ -232,8 +276,26 @@ class Manifest(BaseModel):
     files: list[FileEntry]
 
     def location(self, path: str) -> str:
-        """Where a listed file lives, relative to the generation directory."""
+        """Where a generation's own file lives, relative to the generation directory (a
+        shared object lives outside it: :meth:`where`)."""
         return f"{self.data_dir}/{path}" if self.data_dir else path
+
+    def where(self, path: str) -> str:
+        """Where a listed file lives, relative to the tier's root: a shared object at
+        ``objects/<name>``, every other file below the generation."""
+        if is_object_path(path):
+            return path
+        return f"{self.generation}/{self.location(path)}"
+
+    @property
+    def objects(self) -> list[FileEntry]:
+        """The shared objects this generation references (its incremental part)."""
+        return [f for f in self.files if is_object_path(f.path)]
+
+    @property
+    def own_files(self) -> list[FileEntry]:
+        """The files that live below the generation itself."""
+        return [f for f in self.files if not is_object_path(f.path)]
 
     def to_bytes(self) -> bytes:
         # an entry carries only its own algorithm's digest
@@ -270,6 +332,9 @@ class Manifest(BaseModel):
             seen.add(entry.path)
         if manifest.data_dir:
             _check_listed_path(manifest.data_dir, generation)
+        if manifest.format_version < INCREMENTAL_FORMAT_VERSION and manifest.objects:
+            raise invalid(f"has format {manifest.format_version} but lists shared objects "
+                          f"(format {INCREMENTAL_FORMAT_VERSION} and later)")
         return manifest
 
     def file(self, path: str) -> FileEntry | None:

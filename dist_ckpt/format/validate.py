@@ -149,7 +149,7 @@ def check_entry(generation: str, path: str, entry: FileEntry | None, size: int,
 def check_sizes(store: StoreReader, generation: str, manifest: Manifest) -> None:
     sound: set[str] = set()
     for entry in manifest.files:
-        rel = f"{generation}/{manifest.location(entry.path)}"
+        rel = manifest.where(entry.path)
         try:
             size = regular_file_size(store, rel, generation=generation, path=entry.path,
                                      checked_dirs=sound)
@@ -166,7 +166,7 @@ def check_digests(store: StoreReader, generation: str, manifest: Manifest,
     for entry in manifest.files:
         if wanted is not None and entry.path not in wanted:
             continue
-        rel = f"{generation}/{manifest.location(entry.path)}"
+        rel = manifest.where(entry.path)
         try:  # a missing file is named like a wrong one: restore repairs it from another tier
             regular_file_size(store, rel, generation=generation, path=entry.path, checked_dirs=sound)
             digest = store.digest(rel, entry.algorithm)
@@ -182,7 +182,7 @@ def read_verified(store: StoreReader, generation: str, manifest: Manifest, path:
     """A small listed file's bytes, returned only if they match its manifest entry: nothing
     parses bytes a digest has not vouched for. ``validated``: the generation was validated
     before, so a mismatch means the file changed since (the error says so)."""
-    rel = f"{generation}/{manifest.location(path)}"
+    rel = manifest.where(path)
     entry = manifest.file(path)
     try:
         size = regular_file_size(store, rel, generation=generation, path=path)

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from .. import logs
 from ..errors import ConfigError
-from ..format.manifest import DCP_DIR, Manifest, parse_generation
+from ..format.manifest import DCP_DIR, Manifest, dcp_entry_path, parse_generation
 from ..format.validate import Problem
 from ..tiers.base import GenerationReader, LocalFilesReader
 from ..tiers.rename import RenameTier
@@ -85,7 +85,7 @@ class _NodeFilesReader(LocalFilesReader):
     def local_copy(self, rel: str) -> tuple[str, bool]:
         path, checked = super().local_copy(rel)
         if self.peers is not None and not os.path.exists(path):
-            fetched = self.peers.fetch_for_load(self.generation, self.manifest, f"{DCP_DIR}/{rel}")
+            fetched = self.peers.fetch_for_load(self.generation, self.manifest, dcp_entry_path(rel))
             if fetched is not None:
                 return fetched, False
         return path, checked

@@ -27,6 +27,7 @@ from ..format.manifest import (
     GLOBAL_STATE_FILE,
     METADATA_FILE,
     Manifest,
+    is_object_path,
     parse_generation,
     rank_state_file,
 )
@@ -152,7 +153,8 @@ def validate_everywhere(comm: Comm, store: StoreReader, name: str, *, digests: b
         # storage: shards' non-tensor items are unpickled without restriction too)
         hashed = set(mine) if digests else set(mine) & ALWAYS_HASHED
         if shards_on_load:
-            hashed = {p for p in hashed if p in ALWAYS_HASHED or not p.startswith(f"{DCP_DIR}/")}
+            hashed = {p for p in hashed if p in ALWAYS_HASHED
+                      or not (p.startswith(f"{DCP_DIR}/") or is_object_path(p))}
         check_digests(store, name, manifest, hashed)
         # the rest of this rank's share by size (a node-local copy may lack other nodes'
         # files); a hashed file needs no size check: a missing or resized one fails its digest

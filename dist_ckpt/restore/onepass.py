@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import PurePath
 from typing import Any, Protocol
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
@@ -41,7 +42,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..digests import hasher
 from ..errors import ValidationError
-from ..format.manifest import DCP_DIR, METADATA_FILE, FileEntry, Manifest
+from ..format.manifest import (
+    DCP_DIR,
+    METADATA_FILE,
+    FileEntry,
+    Manifest,
+    dcp_entry_path,
+    dcp_relative_path,
+    is_object_path,
+)
 from ..format.validate import check_entry
 from ..protocol.comm import Comm
 from ..storage.local import open_regular
@@ -73,11 +82,12 @@ class _MappedFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike, mode: str):  # type: ignore[override]
         if mode != "rb":
             raise ValidationError("a verified reader never writes", generation=self.owner.generation)
-        rel = os.path.relpath(os.fspath(path), self.owner.path)
+        # lexically: a shared object's name climbs out of dcp/ (``../../objects/<name>``)
+        rel = PurePath(os.fspath(path)).relative_to(self.owner.path).as_posix()
         view = self.owner.mapped.get(rel)
         if view is None:  # only files read_data mapped and verified are ever served
-            raise ValidationError(f"{self.owner.generation}: DCP asked for unverified dcp/{rel}",
-                                  generation=self.owner.generation, path=f"{DCP_DIR}/{rel}")
+            raise ValidationError(f"{self.owner.generation}: DCP asked for unverified {dcp_entry_path(rel)}",
+                                  generation=self.owner.generation, path=dcp_entry_path(rel))
         with MappedStream(view) as stream:
             yield stream
 
@@ -126,7 +136,7 @@ class OnePassReader(FileSystemReader):
         except ValidationError as exc:
             failure = exc
         except OSError as exc:  # an unreadable file fails the generation like a wrong one
-            where = None if rel is None else f"{DCP_DIR}/{rel}"  # named: restore may repair it
+            where = None if rel is None else dcp_entry_path(rel)  # named: restore may repair it
             failure = ValidationError(f"{self.generation}: cannot read shard {where}: {exc}",
                                       generation=self.generation, path=where)
         verdicts = self.comm.all_gather(None if failure is None else (str(failure), failure.path))
@@ -182,7 +192,7 @@ class OnePassReader(FileSystemReader):
         started = self._verifications.get(rel)
         if started is not None:
             return started
-        where = f"{DCP_DIR}/{rel}"
+        where = dcp_entry_path(rel)
         entry = self.manifest.file(where)
         if entry is None:  # only files the manifest lists are ever opened
             raise ValidationError(f"{self.generation}: DCP asked for {where}, which the manifest "
@@ -248,5 +258,6 @@ class OnePassReader(FileSystemReader):
 def own_shards(manifest: Manifest, rank: int) -> list[str]:
     """The ``dcp/``-relative shard files ``rank`` wrote: what it most likely loads (all of its
     load at the same world size), so worth hashing before DCP has planned."""
-    return [f.path.removeprefix(f"{DCP_DIR}/") for f in manifest.files
-            if f.rank == rank and f.path.startswith(f"{DCP_DIR}/") and f.path != METADATA_FILE]
+    return [dcp_relative_path(f.path) for f in manifest.files
+            if f.rank == rank and (f.path.startswith(f"{DCP_DIR}/") or is_object_path(f.path))
+            and f.path != METADATA_FILE]

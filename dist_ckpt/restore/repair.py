@@ -164,7 +164,7 @@ class Repairer:
             log.warning("cannot repair %s/%s: %s", generation, entry.path, exc)
             return None
         try:
-            copy_checked(source.store, f"{generation}/{theirs.location(entry.path)}",
+            copy_checked(source.store, theirs.where(entry.path),
                          os.path.join(scratch, entry.path), entry, generation)
         except (DistCkptError, OSError) as exc:
             log.info("%s holds no good copy of %s/%s: %s", self.role(source), generation,

@@ -20,7 +20,16 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from .. import faults
 from ..errors import GenerationExists
-from ..format.manifest import DCP_DIR, FORMAT_VERSION, METADATA_FILE, METADATA_NAME, FileEntry, Manifest
+from ..format.manifest import (
+    DCP_DIR,
+    FORMAT_VERSION,
+    INCREMENTAL_FORMAT_VERSION,
+    METADATA_FILE,
+    METADATA_NAME,
+    FileEntry,
+    Manifest,
+    is_object_path,
+)
 from ..protocol import messages
 from ..protocol.comm import Comm
 from ..protocol.messages import CommitOutcome, RankReport
@@ -76,9 +85,13 @@ def commit(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> CommitO
 def build_manifest(request: SaveRequest, entries: list[dict]) -> Manifest:
     info = request.info
     assert info is not None
-    files = sorted((FileEntry(**e) for e in entries), key=lambda f: f.path)
+    # a shared object two ranks wrote or referenced (equal bytes, one name) is listed once
+    unique = {e["path"]: e for e in sorted(entries, key=lambda e: -e["rank"])}
+    files = sorted((FileEntry(**e) for e in unique.values()), key=lambda f: f.path)
+    incremental = any(is_object_path(f.path) for f in files)
     return Manifest(
-        format_version=FORMAT_VERSION, generation=request.generation, kind="resume",
+        format_version=INCREMENTAL_FORMAT_VERSION if incremental else FORMAT_VERSION,
+        generation=request.generation, kind="resume",
         next_update=request.next_update, tokens_seen=request.tokens_seen,
         world_size=info.world_size, components=info.components, contract=info.contract,
         contract_digest=info.contract_digest, torch_version=torch.__version__,

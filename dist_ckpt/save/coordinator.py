@@ -29,11 +29,15 @@ import pickle
 import threading
 import time
 import traceback
+from collections.abc import Callable
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan
 
 from .. import faults
 from ..digests import digest_bytes
 from ..errors import CommitError
-from ..format.manifest import DCP_DIR, GLOBAL_STATE_FILE, STATE_DIR, rank_state_file
+from ..format.manifest import DCP_DIR, GLOBAL_STATE_FILE, OBJECTS_DIR, STATE_DIR, rank_state_file
 from ..protocol import messages
 from ..protocol.comm import Comm
 from ..protocol.messages import CommitOutcome, RankReport
@@ -42,6 +46,7 @@ from ..tiers.base import remove_own_files
 from .commit import commit
 from .priority import lower_thread_priority
 from .request import SaveJob, SaveRequest
+from .reuse import NEW_OBJECT_PREFIX, name_objects, object_file_name, split_plan
 from .shardio import SaveAbandoned, hashing_writer, without_zip_crc32
 
 __all__ = ["SaveJob", "SaveRequest", "StoreKeyRetirer", "run_save", "run_save_in_background"]
@@ -100,13 +105,26 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
         timer.daemon = True
         timer.start()
     algorithm = request.digest_algorithm
+    plan, object_items, reused_results, object_entries = request.prepared.plan, frozenset(), [], []
+    if request.reuse is not None:
+        plan, objects, reused_results, object_entries = split_plan(plan, request.reuse)
+        object_items = frozenset(objects)
+        if object_items:
+            os.makedirs(os.path.join(local_dir, OBJECTS_DIR), exist_ok=True)
     writer, filesystem = hashing_writer(dcp_dir, thread_count=io_threads, cancel=cancel, rank=rank,
-                                        algorithm=algorithm, direct=request.attempt.direct_io)
+                                        algorithm=algorithm, direct=request.attempt.direct_io,
+                                        object_items=object_items, object_name=object_file_name)
     try:
         with without_zip_crc32():  # the file digest covers every byte already
-            results = writer.write_data(request.prepared.plan, request.prepared.planner).wait()
+            results = writer.write_data(plan, request.prepared.planner).wait()
         if cancel.is_set():
             raise SaveAbandoned("the commit deadline passed while writing: not finished")
+        if object_items:
+            assert request.reuse is not None
+            results, written = name_objects(local_dir, results, filesystem.digests, algorithm, rank,
+                                            request.reuse, _chunk_of(plan))
+            object_entries = _unique(object_entries + written)
+            fsync_dir(os.path.join(local_dir, OBJECTS_DIR))
     except Exception as exc:
         # files this rank began are in no report: nobody else knows to remove them
         # peers may still be writing into the same directories: only this rank's files go
@@ -119,7 +137,8 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
         if timer is not None:
             timer.cancel()
     entries = [{"path": f"{DCP_DIR}/{name}", "size": size, algorithm: digest, "rank": rank}
-               for name, (size, digest) in sorted(filesystem.digests.items())]
+               for name, (size, digest) in sorted(filesystem.digests.items())
+               if not name.startswith(NEW_OBJECT_PREFIX)] + object_entries
     faults.hit("write.shards_written", rank)  # mid-write: shards on disk, state files not yet
     state_files = [(rank_state_file(rank), request.rank_state)]
     if request.global_state is not None:
@@ -131,7 +150,21 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
     fsync_dir(dcp_dir)
     fsync_dir(state_dir)
     faults.hit("write.after", rank)
-    return entries, pickle.dumps(results)
+    return entries, pickle.dumps(results + reused_results)
+
+
+def _chunk_of(plan: SavePlan) -> Callable[[MetadataIndex], tuple[tuple[int, ...], tuple[int, ...]]]:
+    chunks = {item.index: item.tensor_data.chunk for item in plan.items if item.tensor_data is not None}
+
+    def offsets_and_sizes(index: MetadataIndex) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        chunk = chunks[index]
+        return tuple(chunk.offsets), tuple(chunk.sizes)
+    return offsets_and_sizes
+
+
+def _unique(entries: list[dict]) -> list[dict]:
+    """One entry per path: two items with equal bytes are one object."""
+    return list({entry["path"]: entry for entry in entries}.values())
 
 
 def run_save_in_background(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float,

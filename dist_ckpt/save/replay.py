@@ -300,9 +300,9 @@ class Replayer:
         """Rank 0, after publishing: the common files for the other nodes' copies."""
         if self.groups is None:
             return []
-        store, generation = self.destination.store, manifest.generation
+        store = self.destination.store
         return common_files.offer(self.comm, self.channel, self._seq, manifest,
-                                  lambda path: store.read_bytes(f"{generation}/{manifest.location(path)}"))
+                                  lambda path: store.read_bytes(manifest.where(path)))
 
     def _await_node_copies(self, generation: str) -> None:
         """Rank 0: the generation counts as replayed once every node holds its part."""

@@ -11,6 +11,7 @@ from ..digests import DEFAULT_ALGORITHM
 from ..errors import CommitError
 from ..tiers.base import Attempt
 from .planning import PreparedSave
+from .reuse import ReusePlan
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class SaveRequest:
     started: float = field(default_factory=time.monotonic)
     digest_algorithm: str = DEFAULT_ALGORITHM  # of every file this save writes (manifest records it)
     staging_error: Exception | None = None  # a lazy copy that failed: nothing may be written
+    reuse: ReusePlan | None = None  # incremental: the frozen items referenced or written as objects
 
     @property
     def attempt_id(self) -> str:

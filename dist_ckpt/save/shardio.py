@@ -17,7 +17,7 @@ import io
 import os
 import queue
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
@@ -242,16 +242,27 @@ class SmallItemsApartWriter(FileSystemWriter):
     the bytes on one rank; an object-store restore downloaded them, and another node of the
     memory tier received them (``memory/plan.py``)."""
 
+    object_items: frozenset = frozenset()  # MetadataIndex of items written as shared objects
+    object_name: Callable[[str, int], str] | None = None  # (prefix, index) -> name below dcp/
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if _split_by_size_and_type is None or not hasattr(self, "_write_data"):
+            if self.object_items:
+                raise RuntimeError("this torch's DCP writer cannot write shared objects apart")
             return super().write_data(plan, planner)
         small: list[WriteItem] = []
         large: list[WriteItem] = []
+        files: queue.Queue = queue.Queue()
+        for index, item in enumerate(i for i in plan.items if i.index in self.object_items):
+            assert self.object_name is not None
+            name = self.object_name(plan.storage_data.prefix, index)  # one file per object
+            files.put((self.fs.concat_path(self.path, name), name, [item]))
         for item in plan.items:
+            if item.index in self.object_items:
+                continue
             is_small = item.type == WriteItemType.BYTE_IO or _item_size(item) <= SMALL_ITEM_BYTES
             (small if is_small else large).append(item)
         buckets = [b for b in _split_by_size_and_type(self.thread_count, large) if b]
-        files: queue.Queue = queue.Queue()
         for index, bucket in enumerate([*buckets, small] if small else buckets):
             name = f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}"
             if bucket is small and isinstance(self.fs, HashingFileSystem):
@@ -262,10 +273,16 @@ class SmallItemsApartWriter(FileSystemWriter):
 
 def hashing_writer(path: str, *, thread_count: int, cancel: threading.Event | None = None,
                    rank: int | None = None, algorithm: str = DEFAULT_ALGORITHM,
-                   direct: bool = False) -> tuple[FileSystemWriter, HashingFileSystem]:
+                   direct: bool = False, object_items: frozenset = frozenset(),
+                   object_name: Callable[[str, int], str] | None = None,
+                   ) -> tuple[FileSystemWriter, HashingFileSystem]:
+    """DCP's writer over a hashing filesystem; ``object_items`` are written each to a file of
+    its own named by ``object_name`` (``dist_ckpt.save.reuse``)."""
     # sync_files=False: the filesystem fsyncs each file once, after its last byte is out
     writer = SmallItemsApartWriter(path, single_file_per_rank=True, sync_files=False,
                                    thread_count=thread_count, overwrite=True)
+    writer.object_items = object_items
+    writer.object_name = object_name
     filesystem = HashingFileSystem(cancel, rank, algorithm, direct=direct)
     writer.fs = filesystem
     return writer, filesystem

@@ -173,10 +173,10 @@ class LazySnapshots:
         self._lock = threading.Lock()
         self._handles = [o.register_step_pre_hook(self._before_step) for o in self.optimizers]
 
-    def begin(self, slot: StagingSlot, live: Any, *, generation: str, rank: int,
-              timeout_s: float) -> tuple[Any, PendingCopy]:
+    def begin(self, slot: StagingSlot, live: Any, *, generation: str, rank: int, timeout_s: float,
+              keep_live: Callable[[torch.Tensor], bool] | None = None) -> tuple[Any, PendingCopy]:
         """Main thread, in ``save()``: the staged layout of ``live`` and its deferred copy."""
-        layout = slot.layout(live, changed_only_by_step(self.state.model, self.optimizers))
+        layout = slot.layout(live, changed_only_by_step(self.state.model, self.optimizers), keep_live)
         return layout.staged, PendingCopy(layout, generation=generation, rank=rank,
                                           deadline=time.monotonic() + timeout_s,
                                           side_stream=self._side_stream)

@@ -60,9 +60,11 @@ class StagingSlot:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def stage(self, state: Any) -> Any:
-        """Copy ``state`` into this slot's buffers; returns the staged copy of ``state``."""
-        staged, pairs, _ = self.layout(state, lambda _: True)
+    def stage(self, state: Any, keep_live: Callable[[torch.Tensor], bool] | None = None) -> Any:
+        """Copy ``state`` into this slot's buffers; returns the staged copy of ``state``.
+        ``keep_live``: tensors left out (the staged copy holds the live tensor, which nothing
+        reads: an incremental save references their bytes, ``dist_ckpt.save.reuse``)."""
+        staged, pairs, _ = self.layout(state, lambda _: True, keep_live)
         for buffer, source in pairs:
             buffer.copy_(source, non_blocking=source.is_cuda)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -70,21 +72,24 @@ class StagingSlot:
         return staged
 
     @torch.no_grad()  # DTensor.to_local without an autograd node per tensor
-    def layout(self, state: Any, defer: Callable[[torch.Tensor], bool]) -> StagedLayout:
+    def layout(self, state: Any, defer: Callable[[torch.Tensor], bool],
+               keep_live: Callable[[torch.Tensor], bool] | None = None) -> StagedLayout:
         """The staged layout of ``state`` (buffers allocated or reused, DTensor wrappers, other
         values copied) and the (buffer, source) pairs of the tensors ``defer`` picked, whose
         data is not copied yet. Every other tensor is copied before this returns, except that
         a copy from CUDA is only queued on the current stream of its device (``queued``)."""
         seen: set[str] = set()
         result = StagedLayout(None, [], set())
-        staged = self._stage(state, "", seen, result, defer)
+        staged = self._stage(state, "", seen, result, defer, keep_live or _never)
         for stale in set(self.buffers) - seen:
             self.pool._account(-self._bytes(self.buffers.pop(stale)))
             self._wrappers.pop(stale, None)
         return result._replace(staged=staged)
 
     def _stage(self, value: Any, path: str, seen: set[str], out: StagedLayout,
-               defer: Callable[[torch.Tensor], bool]) -> Any:
+               defer: Callable[[torch.Tensor], bool], keep_live: Callable[[torch.Tensor], bool]) -> Any:
+        if isinstance(value, torch.Tensor) and keep_live(value):
+            return value  # no buffer either: one left from an earlier save is freed
         if isinstance(value, DTensor):
             local = self._buffer(value.to_local(), path, seen, out, defer)
             # the wrapper only describes the buffer; reuse it while buffer and spec are the same
@@ -99,9 +104,11 @@ class StagingSlot:
         if isinstance(value, torch.Tensor):
             return self._buffer(value, path, seen, out, defer)
         if isinstance(value, dict):
-            return {k: self._stage(v, f"{path}/{k}", seen, out, defer) for k, v in value.items()}
+            return {k: self._stage(v, f"{path}/{k}", seen, out, defer, keep_live)
+                    for k, v in value.items()}
         if isinstance(value, list | tuple):
-            items = [self._stage(v, f"{path}/{i}", seen, out, defer) for i, v in enumerate(value)]
+            items = [self._stage(v, f"{path}/{i}", seen, out, defer, keep_live)
+                     for i, v in enumerate(value)]
             return type(value)(items)
         return copy.deepcopy(value)
 
@@ -183,7 +190,12 @@ class StagingPool:
             slot._wrappers.clear()
 
 
-def stage_ahead(pool: StagingPool | None, live: Any, pending: PendingGather, rank: int) -> Staged | None:
+def _never(_: torch.Tensor) -> bool:
+    return False
+
+
+def stage_ahead(pool: StagingPool | None, live: Any, pending: PendingGather, rank: int,
+                keep_live: Callable[[torch.Tensor], bool] | None = None) -> Staged | None:
     """The eager copy into a free staging slot while the save agreement ``pending`` is in
     flight (the wait for the slowest peer overlaps it); None without staging. The caller
     (inside ``save()``, so the state cannot change meanwhile) drops it if the save does not
@@ -194,7 +206,7 @@ def stage_ahead(pool: StagingPool | None, live: Any, pending: PendingGather, ran
     try:
         faults.hit("stage.before", rank)
         slot = pool.acquire()
-        return Staged(slot, slot.stage(live))
+        return Staged(slot, slot.stage(live, keep_live))
     except BaseException:
         if slot is not None:
             pool.release(slot)

@@ -42,6 +42,7 @@ from ..format.manifest import (
     DCP_DIR,
     MANIFEST_NAME,
     METADATA_FILE,
+    OBJECTS_DIR,
     PENDING_PREFIX,
     STATE_DIR,
     Manifest,
@@ -227,7 +228,7 @@ def remove_own_files(local_dir: str, entries: list[dict], *, remove_dirs: bool =
             pass
     if not remove_dirs:
         return
-    for directory in (DCP_DIR, STATE_DIR, ""):
+    for directory in (DCP_DIR, STATE_DIR, OBJECTS_DIR, ""):
         try:
             os.rmdir(os.path.join(local_dir, directory))
         except OSError:

@@ -30,6 +30,7 @@ from ..format.manifest import (
     parse_generation,
     pending_dir_name,
 )
+from ..format.objects import install_objects
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, move_latest
 from ..storage.base import is_remote
@@ -100,6 +101,8 @@ class RenameAttempt:
         for directory in (os.path.join(pending, DCP_DIR), os.path.join(pending, STATE_DIR), pending):
             if os.path.isdir(directory):
                 fsync_dir(directory)
+        # the shared objects before the rename that makes the manifest referencing them visible
+        install_objects(pending, self.tier.root)
         faults.hit("commit.before_rename", 0)
         final = os.path.join(self.tier.root, self.generation)
         if os.path.exists(final):
@@ -120,6 +123,7 @@ class RenameTier:
     each filesystem group publishes its own copy."""
 
     shared = False
+    shares_objects = True  # incremental generations: objects/ below the root (format/objects.py)
     kind = "local"
     leaves_debris = False
     keeps_rejected = True

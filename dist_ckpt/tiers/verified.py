@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..digests import hasher
 from ..errors import ValidationError
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, dcp_entry_path, is_object_path
 from ..format.validate import check_entry
 from ..storage.base import StoreReader
 from ..storage.objectstore import READ_CHUNK
@@ -50,13 +50,14 @@ class _DownloadingFileSystem(FileSystem):
             yield handle
 
     def local_copy(self, rel: str) -> Path:
-        local = self.local_dir / rel
+        where = dcp_entry_path(rel)  # a shared object: its own place in the private copy
+        local = self.local_dir / (where if is_object_path(where) else rel)
         if not local.exists():
             self._download(rel, local)
         return local
 
     def _download(self, rel: str, local: Path) -> None:
-        where = f"dcp/{rel}"
+        where = dcp_entry_path(rel)
         entry = self.manifest.file(where)
         if entry is None:
             raise self._fail(ValidationError(f"{self.generation}: DCP asked for {where}, which the "
@@ -65,7 +66,8 @@ class _DownloadingFileSystem(FileSystem):
         digest, received = hasher(entry.algorithm), 0
         partial = local.with_name(local.name + ".partial")
         local.parent.mkdir(parents=True, exist_ok=True)
-        with self.store.open_read(f"{self.remote_dir}/{rel}") as source, open(partial, "wb") as sink:
+        remote = where if is_object_path(where) else f"{self.remote_dir}/{rel}"
+        with self.store.open_read(remote) as source, open(partial, "wb") as sink:
             while chunk := source.read(READ_CHUNK):
                 received += len(chunk)
                 if received > entry.size:  # never store more than the manifest allows
