@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .. import faults, logs
 from ..errors import StorageError, ValidationError
 from ..format.manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
+from ..format.objects import unreferenced_objects
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import list_generations, read_manifest
 from ..protocol.comm import Comm
@@ -109,6 +110,7 @@ class PrunePlan:
     generations: list[str] = field(default_factory=list)  # beyond keep_last
     incomplete: list[str] = field(default_factory=list)  # no manifest, older than the newest committed
     orphans: list[str] = field(default_factory=list)  # attempt directories no manifest references
+    objects: list[str] = field(default_factory=list)  # shared objects no kept generation references
     multipart_aborted: int = 0
 
 
@@ -169,6 +171,7 @@ def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = N
     plan = plan_prune(tier, keep_last=keep_last, keep_every=keep_every, pinned=pinned, key=key,
                       committed=committed)
     if dry_run:
+        plan.objects = _unreferenced(tier, frozenset(plan.generations + plan.incomplete))
         return plan
     for rel in plan.generations + plan.incomplete + plan.orphans:
         try:
@@ -177,7 +180,23 @@ def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = N
             faults.hit("prune.between")
         except OSError as exc:
             log.warning("could not prune %s: %s", rel, exc)
+    # the sweep, after the generations went: a kill between leaves objects the next one finds
+    plan.objects = _unreferenced(tier, frozenset())
+    for rel in plan.objects:
+        try:
+            tier.store.remove_tree(rel)
+            faults.hit("prune.object_removed")
+        except OSError as exc:
+            log.warning("could not prune %s: %s", rel, exc)
     return plan
+
+
+def _unreferenced(tier: CommitTier, dropping: frozenset[str]) -> list[str]:
+    try:
+        return unreferenced_objects(tier.store, dropping=dropping)
+    except StorageError as exc:  # SweepRefused among them: keep every object this time
+        log.warning("shared objects under %s not swept: %s", tier.url, exc)
+        return []
 
 
 def _remove(store: Store, rel: str) -> None:

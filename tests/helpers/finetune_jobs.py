@@ -64,7 +64,8 @@ class Job:
 
 
 def manager(job: Job, root: str, **config: Any) -> CheckpointManager:
-    return CheckpointManager(CheckpointConfig(root=root, async_save=False, **config), job.state)
+    config.setdefault("async_save", False)
+    return CheckpointManager(CheckpointConfig(root=root, **config), job.state)
 
 
 def _change(job: Job, how: str) -> None:
@@ -96,7 +97,10 @@ def run(rank: int, world: int, kind: str, root: str, saves: list[int], change: s
             _change(job, change)
         if update in saves:
             mgr.save(update)
+            mgr.wait()
             out["full"][update] = job.full()
+            out.setdefault("staged_bytes", {})[update] = \
+                mgr.staging.allocated_bytes if mgr.staging is not None else None
     mgr.close()
     if dist.is_initialized():
         dist.barrier()
