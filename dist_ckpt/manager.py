@@ -464,6 +464,13 @@ class CheckpointManager:
         self._check_open()
         return rehearsal.rehearse(self.ctx, generation, step_fn)
 
+    def rewrite_frozen(self) -> None:
+        """The next save writes every frozen tensor in full (this rank; call it on every rank
+        that changed one): after a write the version counter cannot see, such as an
+        in-place op through ``param.data``. A no-op with ``incremental=False``."""
+        if self.reuse is not None:
+            self.reuse.rewrite_frozen()
+
     def pin(self, generation: str, label: str | None = "pinned") -> dict[str, str]:
         """Pin a committed generation so that no pruning deletes it (``label=None`` unpins).
 

@@ -3,6 +3,7 @@ weights to be a shared object) with a small trainable adapter, run inside spawne
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -68,6 +69,14 @@ def manager(job: Job, root: str, **config: Any) -> CheckpointManager:
     return CheckpointManager(CheckpointConfig(root=root, **config), job.state)
 
 
+def _inodes(root: str) -> dict[str, int]:
+    """Object name -> inode: a rewritten object is renamed in anew (another inode)."""
+    folder = os.path.join(root, "objects")
+    if not os.path.isdir(folder):
+        return {}
+    return {name: os.stat(os.path.join(folder, name)).st_ino for name in os.listdir(folder)}
+
+
 def _change(job: Job, how: str) -> None:
     """A change to a frozen tensor the proof must see."""
     inner = job.inner
@@ -83,11 +92,14 @@ def _change(job: Job, how: str) -> None:
             raise ValueError(how)
 
 
-def run(rank: int, world: int, kind: str, root: str, saves: list[int], change: str | None = None,
-        change_after: int | None = None, **config: Any) -> dict:
-    """Train, saving at each update in ``saves``; ``change`` a frozen weight after update
-    ``change_after`` (plain jobs only: the optimizer keeps the other parameters). Returns the
-    full state at each save (rank 0) and the manifests' object entries."""
+def run(rank: int, world: int, kind: str, root: str, saves: list[int],
+        options: dict[str, Any] | None = None) -> dict:
+    """Train, saving at each update in ``saves``. ``options``: ``CheckpointConfig`` fields,
+    and ``change`` (``inplace``, ``replace``, ``pointer``) of a frozen weight after update
+    ``change_after`` (``run_ranks`` passes positional arguments only). Returns, per save, the
+    full state (rank 0), the staging bytes held and the objects' inodes."""
+    config = dict(options or {})
+    change, change_after = config.pop("change", None), config.pop("change_after", None)
     job = Job(kind, rank, world)
     mgr = manager(job, root, **config)
     out: dict[str, Any] = {"full": {}}
@@ -101,6 +113,7 @@ def run(rank: int, world: int, kind: str, root: str, saves: list[int], change: s
             out["full"][update] = job.full()
             out.setdefault("staged_bytes", {})[update] = \
                 mgr.staging.allocated_bytes if mgr.staging is not None else None
+            out.setdefault("inodes", {})[update] = _inodes(root)
     mgr.close()
     if dist.is_initialized():
         dist.barrier()

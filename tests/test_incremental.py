@@ -1,0 +1,202 @@
+"""Incremental generations (issue 28): a frozen parameter is written once as a shared object
+and referenced while its bytes provably did not change; anything not proven is written in
+full; every generation restores by itself, at the same and at another world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dist_ckpt.format.manifest import INCREMENTAL_FORMAT_VERSION, OBJECTS_DIR, is_object_path
+from dist_ckpt.save.reuse import ReuseLedger
+from dist_ckpt.testing import run_ranks
+from tests.helpers import finetune_jobs
+from tests.helpers.finetune_jobs import Tuned
+
+GEN1, GEN2 = "gen-000000000001", "gen-000000000002"
+
+
+def manifest(root: str, generation: str) -> dict:
+    with open(os.path.join(root, generation, "manifest.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def objects_of(root: str, generation: str) -> dict[str, int]:
+    return {f["path"]: f["size"] for f in manifest(root, generation)["files"] if is_object_path(f["path"])}
+
+
+def own_bytes(root: str, generation: str) -> int:
+    return sum(f["size"] for f in manifest(root, generation)["files"] if not is_object_path(f["path"]))
+
+
+def assert_same(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == found.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(tensor, found[key]), key
+
+
+@pytest.fixture(scope="module")
+def fsdp_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """Two FSDP2 generations of a job with a frozen base, on 2 ranks."""
+    root = str(tmp_path_factory.mktemp("incremental") / "root")
+    results = run_ranks(2, finetune_jobs.run, "fsdp", root, [1, 2])
+    return root, results[0]
+
+
+@pytest.mark.processes
+def test_consecutive_generations_share_the_frozen_base(fsdp_root) -> None:
+    root, _ = fsdp_root
+    first, second = objects_of(root, GEN1), objects_of(root, GEN2)
+    # base1 and base2, weight each, one shard per rank: four objects, listed by both
+    assert len(first) == 4 and first == second
+    assert manifest(root, GEN2)["format_version"] == INCREMENTAL_FORMAT_VERSION
+    assert sorted(f"{OBJECTS_DIR}/{n}" for n in os.listdir(os.path.join(root, OBJECTS_DIR))) == sorted(first)
+    frozen = sum(first.values())
+    # the second generation's own bytes are the trainable state and the small state only
+    assert own_bytes(root, GEN2) < frozen
+    assert not any(n.startswith(".pending") for n in os.listdir(root))
+
+
+@pytest.mark.processes
+def test_either_generation_restores_bitwise_at_the_same_world_size(fsdp_root, tmp_path) -> None:
+    root, saved = fsdp_root
+    restored = run_ranks(2, finetune_jobs.restore, "fsdp", root)
+    assert restored[0]["generation"] == GEN2
+    assert_same(saved["full"][2], restored[0]["full"])
+    # the first generation without the second: complete by itself
+    copy = str(tmp_path / "root")
+    shutil.copytree(root, copy)
+    shutil.rmtree(os.path.join(copy, GEN2))
+    restored = run_ranks(2, finetune_jobs.restore, "fsdp", copy)
+    assert restored[0]["generation"] == GEN1
+    assert_same(saved["full"][1], restored[0]["full"])
+
+
+@pytest.mark.processes
+def test_restore_at_another_world_size(fsdp_root) -> None:
+    root, saved = fsdp_root
+    restored = run_ranks(1, finetune_jobs.restore, "plain", root)
+    assert restored[0]["generation"] == GEN2
+    assert_same(saved["full"][2], restored[0]["full"])
+
+
+@pytest.mark.processes
+def test_plain_dcp_load_reads_the_shared_objects(fsdp_root) -> None:
+    root, saved = fsdp_root
+    model = Tuned()
+    state = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=os.path.join(root, GEN2, "dcp"), no_dist=True)
+    for key, tensor in state["model"].items():
+        assert torch.equal(tensor, saved["full"][2][f"/model/{key}"]), key
+
+
+@pytest.mark.processes
+def test_a_reused_object_is_neither_staged_nor_written_again(tmp_path) -> None:
+    root = str(tmp_path / "root")
+    saved = run_ranks(1, finetune_jobs.run, "plain", root, [1, 2, 3], {"async_save": True})[0]
+    frozen = 2 * finetune_jobs.WIDTH * finetune_jobs.WIDTH * 4
+    staged, seen = saved["staged_bytes"], saved["inodes"]
+    # the first save staged the frozen base; later ones hold no staging buffer for it
+    assert staged[1] >= frozen and staged[2] < frozen and staged[3] < frozen
+    # the same two files all along: a rewrite would rename a new file (another inode) in
+    assert len(seen[1]) == 2 and seen[1] == seen[2] == seen[3]
+    assert objects_of(root, GEN1) == objects_of(root, "gen-000000000003")
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("change", ["inplace", "replace", "pointer"])
+def test_a_changed_frozen_tensor_is_written_in_full(tmp_path, change: str) -> None:
+    root = str(tmp_path / "root")
+    saved = run_ranks(1, finetune_jobs.run, "plain", root, [1, 2], {"change": change, "change_after": 2})[0]
+    first, second = objects_of(root, GEN1), objects_of(root, GEN2)
+    assert len(first) == len(second) == 2
+    # base1's weight changed: a new object; base2's is shared
+    assert len(set(first) & set(second)) == 1
+    restored = run_ranks(1, finetune_jobs.restore, "plain", root)
+    assert restored[0]["generation"] == GEN2
+    assert_same(saved["full"][2], restored[0]["full"])
+
+
+@pytest.mark.processes
+def test_incremental_false_and_reuse_full_every(tmp_path) -> None:
+    full = str(tmp_path / "full")
+    run_ranks(1, finetune_jobs.run, "plain", full, [1, 2], {"incremental": False})
+    assert not os.path.exists(os.path.join(full, OBJECTS_DIR))
+    assert manifest(full, GEN2)["format_version"] < INCREMENTAL_FORMAT_VERSION
+    # every second save rewrites its frozen tensors: the objects are renamed in anew
+    every = str(tmp_path / "every")
+    seen = run_ranks(1, finetune_jobs.run, "plain", every, [1, 2, 3], {"reuse_full_every": 2})[0]["inodes"]
+    assert objects_of(every, GEN1) == objects_of(every, GEN2)
+    assert seen[1].keys() == seen[2].keys() == seen[3].keys()
+    assert seen[1] != seen[2] and seen[2] == seen[3]  # the second save wrote them anew
+
+
+# ---- the ledger's proof, in one process --------------------------------------------------
+def _ledger() -> tuple[Tuned, torch.optim.Optimizer, ReuseLedger]:
+    torch.manual_seed(0)
+    model = Tuned()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    return model, optimizer, ReuseLedger(model, optimizer, full_every=0)
+
+
+def _settled(ledger: ReuseLedger, model: Tuned, update: int) -> None:
+    """Pretend a save of ``update`` wrote every candidate and committed."""
+    plan = ledger.plan({"model": model.state_dict()}, "layout")
+    plan.written = {fqn: {(0, 0): _record(ledger, plan, fqn)} for fqn in plan.proofs}
+    ledger.settle(plan, "layout", update, committed=True)
+
+
+def _record(ledger: ReuseLedger, plan, fqn: str):  # noqa: ANN001, ANN202 - test double
+    from dist_ckpt.save.reuse import Record
+
+    return Record(plan.proofs[fqn], (finetune_jobs.WIDTH, finetune_jobs.WIDTH), None, {"path": fqn})  # type: ignore[arg-type]
+
+
+def test_only_frozen_parameters_over_the_small_item_size_are_candidates() -> None:
+    model, _, ledger = _ledger()
+    plan = ledger.plan({"model": model.state_dict()}, "layout")
+    assert set(plan.proofs) == {"model.base1.weight", "model.base2.weight"}
+    assert plan.reused == {}
+
+
+def test_proof_holds_until_the_parameter_changes() -> None:
+    model, _, ledger = _ledger()
+    _settled(ledger, model, 1)
+    assert set(ledger.plan({"model": model.state_dict()}, "layout").reused) == \
+        {"model.base1.weight", "model.base2.weight"}
+    with torch.no_grad():
+        model.base1.weight.mul_(1.0)  # same values, but a write: the proof is gone
+    plan = ledger.plan({"model": model.state_dict()}, "layout")
+    assert set(plan.reused) == {"model.base2.weight"}
+    # another layout (fingerprint) or a failed save changes nothing either way
+    assert ledger.plan({"model": model.state_dict()}, "other").reused == {}
+    ledger.settle(plan, "layout", 1, committed=True)  # not newer than the records: ignored
+    assert set(ledger.plan({"model": model.state_dict()}, "layout").reused) == {"model.base2.weight"}
+
+
+def test_a_parameter_out_of_every_param_group_is_frozen() -> None:
+    torch.manual_seed(0)
+    model = Tuned()
+    model.base1.requires_grad_(True)  # trainable flag, but the optimizer never steps it
+    optimizer = torch.optim.AdamW(list(model.adapter.parameters()) + list(model.head.parameters()))
+    ledger = ReuseLedger(model, optimizer, full_every=0)
+    assert set(ledger.plan({"model": model.state_dict()}, "layout").proofs) == \
+        {"model.base1.weight", "model.base2.weight"}
+    optimizer.add_param_group({"params": [model.base1.weight]})
+    assert set(ledger.plan({"model": model.state_dict()}, "layout").proofs) == {"model.base2.weight"}
+
+
+def test_rewrite_frozen_and_full_every_force_a_full_write() -> None:
+    model, _, ledger = _ledger()
+    _settled(ledger, model, 1)
+    ledger.rewrite_frozen()
+    assert ledger.plan({"model": model.state_dict()}, "layout").reused == {}
+    assert ledger.plan({"model": model.state_dict()}, "layout").reused != {}
+    ledger.full_every = 2
+    decisions = [bool(ledger.plan({"model": model.state_dict()}, "layout").reused) for _ in range(4)]
+    assert decisions.count(False) == 2
