@@ -210,7 +210,8 @@ class CheckpointManager:
         try:
             while True:
                 self.inflight.reap()
-                pending = facts.gather_start(self.ctx, self.inflight, self.plans, name, fingerprint)
+                pending = facts.gather_start(self.ctx, self.inflight, self.plans, name, fingerprint,
+                                             reuse.reused_bytes if reuse is not None else 0)
                 if ahead is None and self.snapshots is None \
                         and len(self.inflight) < self.config.max_in_flight:
                     # the eager copy runs while the peers' facts arrive

@@ -96,9 +96,11 @@ def test_plain_dcp_load_reads_the_shared_objects(fsdp_root) -> None:
 
 
 @pytest.mark.processes
-def test_a_reused_object_is_neither_staged_nor_written_again(tmp_path) -> None:
+@pytest.mark.parametrize("snapshot", ["eager", "lazy"])
+def test_a_reused_object_is_neither_staged_nor_written_again(tmp_path, snapshot: str) -> None:
     root = str(tmp_path / "root")
-    saved = run_ranks(1, finetune_jobs.run, "plain", root, [1, 2, 3], {"async_save": True})[0]
+    saved = run_ranks(1, finetune_jobs.run, "plain", root, [1, 2, 3],
+                      {"async_save": True, "snapshot": snapshot})[0]
     frozen = 2 * finetune_jobs.WIDTH * finetune_jobs.WIDTH * 4
     staged, seen = saved["staged_bytes"], saved["inodes"]
     # the first save staged the frozen base; later ones hold no staging buffer for it

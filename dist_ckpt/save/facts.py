@@ -27,16 +27,17 @@ log = logs.get(__name__)
 
 
 def gather_start(ctx: Context, inflight: InFlight, plans: SavePlanCache, name: str,
-                 fingerprint: str) -> PendingGather:
+                 fingerprint: str, reused_bytes: int = 0) -> PendingGather:
     """Start the all-gather (all ranks) of this rank's ``SaveFacts`` for generation ``name``;
-    :func:`gathered` waits for every rank's."""
+    :func:`gathered` waits for every rank's. ``reused_bytes``: what this save references
+    instead of writing (incremental), which needs no space."""
     is_root = ctx.comm.rank == 0
     facts = SaveFacts(
         busy=len(inflight) >= ctx.config.max_in_flight,
         errors=inflight.unraised(),
         boundary=ctx.state.at_optimizer_boundary(),
         cached=fingerprint == plans.fingerprint,
-        space=_space_facts(ctx, inflight, plans, fingerprint),
+        space=_space_facts(ctx, inflight, plans, fingerprint, reused_bytes),
         extras=agreement.extras_digests(ctx.state.extras),
         exists=_existing(ctx, name) if is_root else None,
         attempt_id=uuid.uuid4().hex[:8] if is_root else None,
@@ -72,7 +73,7 @@ def _existing(ctx: Context, name: str) -> str | None:
 
 
 def _space_facts(ctx: Context, inflight: InFlight, plans: SavePlanCache,
-                 fingerprint: str) -> SpaceFacts | None:
+                 fingerprint: str, reused_bytes: int) -> SpaceFacts | None:
     # the first save of a layout has no plan yet: it is not checked (an ENOSPC during the
     # write still fails it cleanly), later saves know exactly what each rank writes
     if not ctx.config.check_free_space or fingerprint != plans.fingerprint:
@@ -85,5 +86,5 @@ def _space_facts(ctx: Context, inflight: InFlight, plans: SavePlanCache,
         except OSError as exc:  # unmeasurable: this group is not checked, peers not stalled
             log.warning("cannot measure free space under %s: %s", write_root, exc)
     # saves in flight whose files are not written yet will still take their share
-    per_save = plans.plan_bytes or 0
+    per_save = max(0, (plans.plan_bytes or 0) - reused_bytes)
     return SpaceFacts(leader=ctx.comm.fs_leader, bytes=per_save * (1 + inflight.unwritten()), free=free)
