@@ -52,7 +52,7 @@ from .save.coordinator import SaveJob, SaveRequest, run_save
 from .save.inflight import InFlight, SaveStats
 from .save.planning import PreparedSave, SavePlanCache, layout_fingerprint
 from .save.request import ManifestInfo
-from .save.reuse import ReusePlan, open_ledger, settling
+from .save.reuse import ReusePlan, open_ledger, seed_after_restore, settling
 from .save.schedule import SaveSchedule
 from .save.snapshot import PendingCopy, lazy_snapshots, run_after_copy
 from .save.space import check_space
@@ -451,6 +451,7 @@ class CheckpointManager:
             result = resume(self.ctx, components, allow_contract_change, verify_digests)
             if self.memory is not None:
                 self.memory.after_restore(self.comm, result)
+            seed_after_restore(self.reuse, self.state, result, self.tiers.target)
         if self.schedule is not None and result.generation is not None:
             self.schedule.last_saved = result.next_update
         return result

@@ -202,3 +202,30 @@ def test_rewrite_frozen_and_full_every_force_a_full_write() -> None:
     ledger.full_every = 2
     decisions = [bool(ledger.plan({"model": model.state_dict()}, "layout").reused) for _ in range(4)]
     assert decisions.count(False) == 2
+
+
+@pytest.mark.processes
+def test_a_restarted_job_references_the_objects_it_loaded(tmp_path) -> None:
+    root = str(tmp_path / "root")
+    run_ranks(2, finetune_jobs.run, "fsdp", root, [1, 2])
+    resumed = run_ranks(2, finetune_jobs.resume_and_save, "fsdp", root, [3])[0]
+    assert resumed["generation"] == GEN2
+    seen = resumed["inodes"]
+    # loaded from these objects (verified), unchanged since: referenced, not written again
+    assert len(seen[0]) == 4 and seen[3] == seen[0]
+    assert objects_of(root, "gen-000000000003") == objects_of(root, GEN2)
+    restored = run_ranks(2, finetune_jobs.restore, "fsdp", root)[0]
+    assert restored["generation"] == "gen-000000000003"
+    assert_same(resumed["full"][3], restored["full"])
+
+
+@pytest.mark.processes
+def test_a_job_restarted_at_another_world_size_writes_its_shards_anew(tmp_path) -> None:
+    root = str(tmp_path / "root")
+    run_ranks(2, finetune_jobs.run, "fsdp", root, [1])
+    resumed = run_ranks(1, finetune_jobs.resume_and_save, "plain", root, [2])[0]
+    # one rank now holds each whole weight: no saved chunk is its shard, so both are written
+    second = objects_of(root, GEN2)
+    assert len(second) == 2 and not set(second) & set(objects_of(root, GEN1))
+    restored = run_ranks(1, finetune_jobs.restore, "plain", root)[0]
+    assert_same(resumed["full"][2], restored["full"])

@@ -65,6 +65,8 @@ class RestoreResult:
     components: tuple[str, ...] = ()
     tier: str | None = None  # the kind of tier it was loaded from ("memory", "local", ...)
     repaired: list[RepairedFile] = field(default_factory=list)  # files replaced by good copies
+    # the loaded generation's DCP metadata (incremental saves start from what was loaded)
+    metadata: Metadata | None = field(default=None, repr=False, compare=False)
 
     @property
     def repair_summary(self) -> str | None:
@@ -201,6 +203,7 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
     prebuilt: list[torch.Tensor] = []
 
     def template_for(metadata: Metadata) -> dict:
+        result.metadata = metadata
         prebuilt.extend(optim_targets.prebuild(state, metadata, wanted))
         return state.tensor_state(wanted)
 

@@ -43,14 +43,31 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_from_dtensor, _create_chunk_from_tensor
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from .. import logs
-from ..errors import StagingError
-from ..format.manifest import DCP_OBJECT_PREFIX, OBJECTS_DIR, object_path
+from ..errors import StagingError, StorageError
+from ..format.manifest import (
+    DCP_OBJECT_PREFIX,
+    MANIFEST_NAME,
+    OBJECTS_DIR,
+    FileEntry,
+    Manifest,
+    dcp_entry_path,
+    is_object_path,
+    object_path,
+    parse_generation,
+)
+from .planning import layout_fingerprint
 from .shardio import SMALL_ITEM_BYTES
 
 log = logs.get(__name__)
@@ -153,6 +170,18 @@ class ReuseLedger:
     @torch.no_grad()
     def plan(self, live: Any, fingerprint: str) -> ReusePlan:
         """Main thread, in ``save()``, before staging: the proofs and what is reused."""
+        proofs, owners, kept = self._proofs(live)
+        with self._lock:
+            self.planned += 1
+            full = self.forced or (self.full_every > 0 and self.planned % self.full_every == 0)
+            self.forced = False
+            reused = {} if full or fingerprint != self.fingerprint else {
+                fqn: self.records[fqn] for fqn, proof in proofs.items()
+                if fqn in self.records and self._same(fqn, proof, owners[fqn])}
+        return ReusePlan(proofs, reused, frozenset(id(kept[fqn]) for fqn in reused), owners)
+
+    def _proofs(self, live: Any) -> tuple[dict[str, Proof], dict[str, weakref.ref], dict[str, torch.Tensor]]:
+        """Every frozen candidate of ``live`` by fqn: its proof now, its parameter, its tensor."""
         frozen = self._frozen_params()
         flat, _ = flatten_state_dict(live)
         proofs: dict[str, Proof] = {}
@@ -174,14 +203,7 @@ class ReuseLedger:
                                 tuple(local.shape))
             owners[fqn] = weakref.ref(param)
             kept[fqn] = value
-        with self._lock:
-            self.planned += 1
-            full = self.forced or (self.full_every > 0 and self.planned % self.full_every == 0)
-            self.forced = False
-            reused = {} if full or fingerprint != self.fingerprint else {
-                fqn: self.records[fqn] for fqn, proof in proofs.items()
-                if fqn in self.records and self._same(fqn, proof, owners[fqn])}
-        return ReusePlan(proofs, reused, frozenset(id(kept[fqn]) for fqn in reused), owners)
+        return proofs, owners, kept
 
     def _same(self, fqn: str, proof: Proof, owner: weakref.ref) -> bool:
         recorded = self.owners.get(fqn)
@@ -202,6 +224,58 @@ class ReuseLedger:
             self.fingerprint = fingerprint
             self.records = records
             self.owners = {fqn: reuse.owners[fqn] for fqn in records if fqn in reuse.owners}
+
+
+    @torch.no_grad()
+    def seed(self, live: Any, fingerprint: str, metadata: Metadata, manifest: Manifest,
+             present: Callable[[FileEntry], bool]) -> int:
+        """Main thread, after ``restore()`` loaded ``manifest``'s generation into ``live``:
+        each frozen candidate whose every chunk there is a shared object the save target
+        holds (``present``) was just loaded from those bytes (verified), so its history
+        starts at the load: the next save references the objects instead of writing them
+        again. Returns how many tensors were seeded."""
+        proofs, owners, kept = self._proofs(live)
+        records: dict[str, dict[Chunk, Record]] = {}
+        for fqn, proof in proofs.items():
+            chunks = _object_chunks(fqn, proof, metadata, manifest, present)
+            mine = _own_chunk(kept[fqn])
+            # only where this rank's shard is one of the saved chunks did the load copy one
+            # object's bytes into it whole (another world size or sharding: written in full)
+            if chunks and chunks.get(tuple(mine.offsets)) is not None \
+                    and chunks[tuple(mine.offsets)].sizes == tuple(mine.sizes):
+                records[fqn] = chunks
+        with self._lock:
+            self.update = manifest.next_update
+            self.fingerprint = fingerprint
+            self.records = records
+            self.owners = {fqn: owners[fqn] for fqn in records}
+        return len(records)
+
+
+def _own_chunk(tensor: torch.Tensor) -> ChunkStorageMetadata:
+    if isinstance(tensor, DTensor):
+        return _create_chunk_from_dtensor(tensor)
+    return _create_chunk_from_tensor(tensor)
+
+
+def _object_chunks(fqn: str, proof: Proof, metadata: Metadata, manifest: Manifest,
+                   present: Callable[[FileEntry], bool]) -> dict[Chunk, Record] | None:
+    """The records of every chunk of ``fqn`` in ``metadata``, or None when one of them is not
+    a shared object the target holds."""
+    described = metadata.state_dict_metadata.get(fqn)
+    if not isinstance(described, TensorStorageMetadata):
+        return None
+    chunks: dict[Chunk, Record] = {}
+    for chunk in described.chunks:
+        index = MetadataIndex(fqn, chunk.offsets)
+        info = metadata.storage_data.get(index) if metadata.storage_data else None
+        entry = manifest.file(dcp_entry_path(info.relative_path)) if isinstance(info, _StorageInfo) else None
+        if entry is None or not is_object_path(entry.path) or not present(entry):
+            return None
+        result = WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
+        chunks[tuple(chunk.offsets)] = Record(proof, tuple(chunk.sizes), result,
+                                              entry.model_dump(exclude_none=True))
+    return chunks
 
 
 def split_plan(plan: SavePlan, reuse: ReusePlan) -> tuple[SavePlan, set[MetadataIndex],
@@ -291,3 +365,30 @@ def settling(ledger: ReuseLedger | None, reuse: ReusePlan | None, fingerprint: s
         finally:
             then(job)
     return on_done
+
+
+def seed_after_restore(ledger: ReuseLedger | None, state: Any, result: Any, target: Any) -> int:
+    """Main thread, at the end of ``restore()`` (every rank, for itself): seed the ledger
+    from the generation just loaded when it came from the save target itself and is its
+    newest (the records must stay referenced by a generation retention keeps); returns the
+    number of tensors seeded."""
+    manifest, metadata = getattr(result, "manifest", None), getattr(result, "metadata", None)
+    if ledger is None or manifest is None or metadata is None or result.tier != target.kind:
+        return 0
+    store = target.store
+    try:
+        newer = [n for n in store.listdir("") if (parse_generation(n) or -1) > manifest.next_update
+                 and store.exists(f"{n}/{MANIFEST_NAME}")]
+    except (OSError, StorageError):
+        return 0
+    if newer:
+        return 0
+
+    def present(entry: FileEntry) -> bool:
+        try:
+            return store.size(entry.path) == entry.size
+        except (OSError, StorageError):
+            return False
+
+    live = state.tensor_state()
+    return ledger.seed(live, layout_fingerprint(live), metadata, manifest, present)

@@ -128,3 +128,22 @@ def restore(rank: int, world: int, kind: str, root: str) -> dict:
     full = job.full()
     mgr.close()
     return {"generation": result.generation, "full": full}
+
+
+def resume_and_save(rank: int, world: int, kind: str, root: str, saves: list[int]) -> dict:
+    """Restore the newest generation, then train on and save at each update in ``saves``;
+    returns the objects' inodes before the first save and after each."""
+    job = Job(kind, rank, world, seed=99)
+    mgr = manager(job, root)
+    result = mgr.restore()
+    out: dict[str, Any] = {"generation": result.generation, "inodes": {0: _inodes(root)}, "full": {}}
+    for update in range(result.next_update + 1, max(saves) + 1):
+        job.step()
+        if update in saves:
+            mgr.save(update)
+            out["inodes"][update] = _inodes(root)
+            out["full"][update] = job.full()
+    mgr.close()
+    if dist.is_initialized():
+        dist.barrier()
+    return out
