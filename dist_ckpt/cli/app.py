@@ -21,12 +21,14 @@ from ..errors import DistCkptError, StorageError, ValidationError
 from ..format.inventory import GenerationInfo, inventory
 from ..format.manifest import (
     LATEST_NAME,
+    OBJECTS_DIR,
     REASON_NAME,
     REJECTED_DIR,
     parse_generation,
     read_latest_name,
     rejected_generation,
 )
+from ..format.objects import listed_objects
 from ..format.signing import key_from_env
 from ..launcher_api import RUNS_DIR
 from ..ops.retention import prune, read_pins
@@ -58,12 +60,18 @@ from .rehearse import add_rehearse_parser
 from .runs import add_runs_parser
 
 FOOTNOTE = "ls checks sizes; `dist-ckpt verify` checks digests"
+SHARED_NOTE = (f"OWN: bytes below the generation (what deleting it frees); SHARED: bytes of the "
+               f"shared objects it references under {OBJECTS_DIR}/ (kept while any generation "
+               "lists them)")
 PROGRESS_COMMANDS = frozenset({"verify", "export", "diff"})  # long work: bytes and rate
 
 
 def ls_record(info: GenerationInfo, latest: str | None, pins: dict[str, str]) -> dict[str, Any]:
+    # own_bytes + referenced_bytes = total_bytes; the referenced (shared-object) bytes are
+    # counted in every generation that lists them, so they do not add up across generations
     return {"name": info.name, "next_update": update_number(info), "state": info.state,
-            "total_bytes": info.total_bytes, "latest": info.name == latest,
+            "total_bytes": info.total_bytes, "own_bytes": info.own_bytes,
+            "referenced_bytes": info.referenced_bytes, "latest": info.name == latest,
             "pin": pins.get(info.name), "reason": info.reason, "path": info.path}
 
 
@@ -104,10 +112,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     mirror = mirror_status(store, records)
     warnings = latest_warnings(store, latest)
     runs = run_records(store, key_from_env())  # a launcher root: its runs/
+    objects = objects_record(store)
     if args.json:
         print(json.dumps({"root": store.root, "latest": latest, "generations": records,
                           "quarantined": quarantined, "mirror": mirror, "warnings": warnings,
-                          **({"launcher_runs": runs} if runs else {})}, indent=1))
+                          "objects": objects, **({"launcher_runs": runs} if runs else {})}, indent=1))
         return 0
     for message in warnings:
         warn(message)
@@ -118,6 +127,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"no generations under {store.root}")
         return 0
     print_ls_table(records, quarantined, pins, mirror)
+    if objects["count"]:
+        print(f"shared objects: {objects['count']} under {OBJECTS_DIR}/, "
+              f"{human_bytes(objects['bytes'])} (stored once, whatever number of generations lists them)")
     if mirror:
         print(f"mirror {mirror['url']}: last completed remote generation "
               f"{mirror['last_completed'] or '(none)'}")
@@ -132,20 +144,37 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def objects_record(store: StoreReader) -> dict[str, int]:
+    """The shared objects under ``ROOT/objects/``: how many, and their bytes on the store
+    (each counted once, however many generations reference it)."""
+    count = len(listed_objects(store))
+    try:
+        size = store.tree_size(OBJECTS_DIR) if count else 0
+    except (StorageError, OSError):
+        size = 0
+    return {"count": count, "bytes": size}
+
+
 def print_ls_table(records: list[dict], quarantined: list[dict], pins: dict[str, str],
                    mirror: dict | None) -> None:
-    rows = [["", "GENERATION", "UPDATE", "BYTES", "SIZE", "STATE"]
-            + (["PIN"] if pins else []) + (["MIRROR"] if mirror else []) + ["REASON"]]
+    # OWN and SHARED only where some generation references shared objects: a root of full
+    # generations lists as it always did
+    shared = any(rec.get("referenced_bytes") for rec in records)
+    rows = [["", "GENERATION", "UPDATE", "BYTES", "SIZE"] + (["OWN", "SHARED"] if shared else [])
+            + ["STATE"] + (["PIN"] if pins else []) + (["MIRROR"] if mirror else []) + ["REASON"]]
     for rec in records + quarantined:
         update = "-" if rec["next_update"] is None else str(rec["next_update"])
         size = "-" if rec["total_bytes"] is None else str(rec["total_bytes"])
         # a quarantined row is named by its path: what `dist-ckpt rm` takes to delete it
         name = rec["path"] if rec["state"] == "quarantined" else rec["name"]
-        rows.append(["*" if rec["latest"] else "", name, update, size,
-                     human_bytes(rec["total_bytes"]), rec["state"]]
+        split = [human_bytes(rec.get("own_bytes")), human_bytes(rec.get("referenced_bytes"))]
+        rows.append(["*" if rec["latest"] else "", name, update, size, human_bytes(rec["total_bytes"])]
+                    + (split if shared else []) + [rec["state"]]
                     + ([rec["pin"] or ""] if pins else [])
                     + ([rec.get("mirror", "")] if mirror else []) + [rec["reason"] or ""])
     print_table(rows)
+    if shared:
+        print(SHARED_NOTE)
 
 
 def mirror_status(store: StoreReader, records: list[dict]) -> dict | None:
@@ -228,6 +257,13 @@ quarantined entries are listed apart from the generations, each with name (its d
 under {REJECTED_DIR}/), generation, next_update, state "quarantined", total_bytes, reason and path;
 warnings names problems that do not change the exit status, such as a {LATEST_NAME} that
 points to a missing generation (text output: on stderr).
+
+Incremental generations (docs/incremental.md) reference shared objects under
+ROOT/{OBJECTS_DIR}/: each generation record carries own_bytes (its files below the
+generation: what deleting it frees) and referenced_bytes (the shared objects it lists;
+own_bytes + referenced_bytes = total_bytes; null for an invalid one), and "objects" gives
+the count and bytes of ROOT/{OBJECTS_DIR}/ (each object once). The text table shows them as
+OWN and SHARED when some generation references an object.
 """
 
 

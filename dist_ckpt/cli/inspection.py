@@ -14,12 +14,19 @@ from ..format.inventory import newest_committed
 from ..format.manifest import (
     GLOBAL_STATE_FILE,
     MANIFEST_NAME,
+    FileEntry,
     Manifest,
     parse_generation,
     read_latest_name,
 )
 from ..format.signing import KEY_ENV, key_from_env
-from ..format.validate import list_generations, read_manifest, read_verified, validate
+from ..format.validate import (
+    ObjectVerdicts,
+    list_generations,
+    read_manifest,
+    read_verified,
+    validate,
+)
 from ..ops.retention import read_pins
 from ..restart import codec
 from ..save.replay import read_mirror_state
@@ -75,6 +82,11 @@ def manifest_summary(manifest: Manifest, latest: str | None) -> list[tuple[str, 
     created = datetime.fromtimestamp(manifest.created_unix, tz=UTC).isoformat()
     contract = ", ".join(f"{k}={v}" for k, v in sorted(manifest.contract.items())) or "(empty)"
     mark = " (latest)" if manifest.generation == latest else ""
+    shared = sum(f.size for f in manifest.objects)
+    # an incremental generation: what is its own and what it references (ls: OWN, SHARED)
+    split = [("own_bytes", f"{manifest.total_bytes - shared} ({human_bytes(manifest.total_bytes - shared)})"),
+             ("referenced_bytes", f"{shared} ({human_bytes(shared)}) in {len(manifest.objects)} "
+                                  "shared objects")] if manifest.objects else []
     return [
         ("generation", manifest.generation + mark),
         ("kind", manifest.kind),
@@ -88,6 +100,7 @@ def manifest_summary(manifest: Manifest, latest: str | None) -> list[tuple[str, 
         ("contract_digest", manifest.contract_digest),
         ("files", str(len(manifest.files))),
         ("total_bytes", f"{manifest.total_bytes} ({human_bytes(manifest.total_bytes)})"),
+        *split,
         ("save_duration_s", f"{manifest.save_duration_s:.3f}"),
         ("created", created),
     ]
@@ -184,18 +197,61 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def verify_result(store: Store, name: str, key: bytes | None) -> dict[str, Any]:
+def verify_result(store: Store, name: str, key: bytes | None,
+                  objects: ObjectVerdicts | None = None) -> dict[str, Any]:
+    """One generation's full check. ``objects``: verdicts on shared objects shared by the
+    generations of one command (each object hashed once, a damaged one failing every
+    generation that lists it)."""
     try:
-        manifest = validate(store, name, digests=True, key=key)
+        manifest = validate(store, name, digests=True, key=key, objects=objects)
     except ValidationError as exc:
         return {"generation": name, "ok": False, "reason": str(exc), "path": exc.path}
     except OSError as exc:
         return {"generation": name, "ok": False, "reason": f"unreadable: {exc}",
                 "path": getattr(exc, "filename", None)}
-    reason = f"{len(manifest.files)} files, {manifest.total_bytes} bytes, digests verified"
+    shared = f" ({len(manifest.objects)} shared objects)" if manifest.objects else ""
+    reason = f"{len(manifest.files)} files{shared}, {manifest.total_bytes} bytes, digests verified"
     if key is not None:
         reason += f", signature verified (key from {KEY_ENV})"
     return {"generation": name, "ok": True, "reason": reason, "path": None}
+
+
+def object_report(store: Store, names: list[str], objects: ObjectVerdicts,
+                  key: bytes | None) -> dict[str, Any]:
+    """After ``verify_result`` ran for ``names`` with ``objects``: every shared object their
+    readable manifests list, checked (a generation stops at its first bad file, so an object
+    it did not reach is checked here, still once), and each damaged object once, with every
+    generation under the root that references it (checked here or not), newest first."""
+    listing: dict[str, list[str]] = {}
+    entries: dict[tuple[str, int, str, str], tuple[str, FileEntry]] = {}
+    checked = set(names)
+    for name in list_generations(store):
+        try:
+            manifest = read_manifest(store, name, key=key)
+        except (ValidationError, OSError):
+            continue  # its own result says why; it references nothing we can name
+        for entry in manifest.objects:
+            listing.setdefault(entry.path, []).append(name)
+            if name in checked:
+                entries.setdefault(ObjectVerdicts.key(entry), (name, entry))
+    for name, entry in entries.values():
+        try:
+            objects.check(store, name, entry)
+        except ValidationError:
+            pass  # recorded in its verdict
+    damaged = [{"path": path, "reason": reason, "generations": listing.get(path, [])}
+               for path, reason in sorted(objects.damaged().items())]
+    return {"checked": len(objects.verdicts), "hashed": objects.hashed, "damaged": damaged}
+
+
+def print_objects(report: dict[str, Any]) -> None:
+    for item in report["damaged"]:
+        print(f"damaged shared object {item['path']}: {item['reason']}")
+        print(f"  referenced by {len(item['generations'])} generation(s), each INVALID: "
+              f"{', '.join(item['generations'])}")
+    if report["checked"]:
+        print(f"{report['checked']} shared object(s) checked, each read once; "
+              f"{len(report['damaged'])} damaged")
 
 
 def print_verify(result: dict[str, Any]) -> None:
@@ -218,11 +274,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return verify_root(store, args, key)
     name = default_generation(store) if args.generation is None else \
         checked_generation(store, args.generation)
-    result = verify_result(store, name, key)
+    objects = ObjectVerdicts()
+    result = verify_result(store, name, key, objects)
+    report = object_report(store, [name], objects, key)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({**result, "objects": report}))
     else:
         print_verify(result)
+        print_objects(report)
     return 0 if result["ok"] else 1
 
 
@@ -230,17 +289,21 @@ def verify_root(store: Store, args: argparse.Namespace, key: bytes | None) -> in
     """``verify ROOT``: the generation ``root_generation`` names and every newer one with a
     manifest; exit 0 only if all of them are valid."""
     name, newer = root_generation(store, key)
-    result = verify_result(store, name, key)
-    newer_results = [verify_result(store, other, key) for other in newer]
+    objects = ObjectVerdicts()  # newer generations share the frozen base: hashed once
+    newer_results = [verify_result(store, other, key, objects) for other in newer]
+    result = verify_result(store, name, key, objects)
     all_ok = result["ok"] and all(other["ok"] for other in newer_results)
     warnings = latest_warnings(store, read_latest_name(store))  # a pointer at what is gone
+    report = object_report(store, [*newer, name], objects, key)
     if args.json:
-        print(json.dumps({**result, "newer": newer_results, "all_ok": all_ok, "warnings": warnings}))
+        print(json.dumps({**result, "newer": newer_results, "all_ok": all_ok, "warnings": warnings,
+                          "objects": report}))
         return 0 if all_ok else 1
     for message in warnings:
         warn(message)
     for checked in [*newer_results, result]:  # newest first, as ls lists them
         print_verify(checked)
+    print_objects(report)
     broken = [other["generation"] for other in newer_results if not other["ok"]]
     if broken:
         print(f"{', '.join(broken)}: newer than {name} and invalid; `dist-ckpt verify ROOT "
@@ -253,12 +316,16 @@ def verify_all(store: Store, args: argparse.Namespace) -> int:
     if not names:
         raise UsageError(f"no generation under {store.root}")
     key = key_from_env()
-    results = [verify_result(store, name, key) for name in names]
+    objects = ObjectVerdicts()  # one pass over the root: each shared object hashed once
+    results = [verify_result(store, name, key, objects) for name in names]
+    report = object_report(store, names, objects, key)
     valid = sum(result["ok"] for result in results)
     if args.json:
-        print(json.dumps({"ok": valid == len(results), "generations": results}, indent=1))
+        print(json.dumps({"ok": valid == len(results), "generations": results, "objects": report},
+                         indent=1))
     else:
         for result in results:
             print_verify(result)
+        print_objects(report)
         print(f"{valid} of {len(results)} generation(s) valid")
     return 0 if valid == len(results) else 1

@@ -20,6 +20,18 @@ class GenerationInfo:
     path: str | None = None
     manifest: Manifest | None = None
 
+    @property
+    def own_bytes(self) -> int | None:
+        """Bytes of the files below the generation itself (what deleting it frees); None
+        without a valid manifest."""
+        return None if self.manifest is None else sum(f.size for f in self.manifest.own_files)
+
+    @property
+    def referenced_bytes(self) -> int | None:
+        """Bytes of the shared objects it references (``ROOT/objects/``, kept while any
+        generation lists them); None without a valid manifest."""
+        return None if self.manifest is None else sum(f.size for f in self.manifest.objects)
+
 
 def inspect_generation(store: StoreReader, name: str, *, digests: bool,
                        key: bytes | None = None) -> GenerationInfo:

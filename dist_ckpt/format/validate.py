@@ -31,6 +31,7 @@ from .manifest import (
     LatestPointer,
     Manifest,
     check_generation_name,
+    is_object_path,
     parse_generation,
     rank_state_file,
     read_latest_name,
@@ -159,12 +160,79 @@ def check_sizes(store: StoreReader, generation: str, manifest: Manifest) -> None
         check_entry(generation, entry.path, entry, size)
 
 
+class ObjectVerdicts:
+    """The shared objects (``objects/<name>``) one caller already hashed, for validating
+    several generations of one store that reference the same objects (``dist-ckpt verify
+    --all``): each object is hashed once, and a damaged one fails every generation that
+    lists it with the same reason, without being read again.
+
+    A verdict belongs to a manifest entry (path, size, algorithm, digest), so two manifests
+    that list one path with different entries each get their own. Create one per pass over a
+    store, on one process, and drop it after: an object replaced meanwhile is not seen again.
+    """
+
+    def __init__(self) -> None:
+        # entry key -> None (matches) or why it does not ("is missing", "does not match ...")
+        self.verdicts: dict[tuple[str, int, str, str], str | None] = {}
+        self.unsafe: set[tuple[str, int, str, str]] = set()  # refused unopened: UnsafeFileError
+        self.hashed = 0  # objects read and hashed (each at most once)
+        self.reused = 0  # checks answered from a verdict already reached
+
+    @staticmethod
+    def key(entry: FileEntry) -> tuple[str, int, str, str]:
+        return entry.path, entry.size, entry.algorithm, entry.digest
+
+    def damaged(self) -> dict[str, str]:
+        """Object path -> why it failed, for every object found damaged."""
+        return {key[0]: reason for key, reason in self.verdicts.items() if reason is not None}
+
+    def check(self, store: StoreReader, generation: str, entry: FileEntry,
+              sound: set[str] | None = None) -> None:
+        """Raise ``ValidationError`` naming ``generation`` and the object when the object does
+        not match ``entry``; hash it only the first time it is asked about."""
+        key = self.key(entry)
+        if key in self.verdicts:
+            self.reused += 1
+        else:
+            self.verdicts[key] = self._verdict(store, entry, sound)
+        reason = self.verdicts[key]
+        if reason is not None:  # the type check_digests raises for it, with this generation
+            kind = UnsafeFileError if key in self.unsafe else ValidationError
+            raise kind(f"{generation}: file {entry.path} {reason}", generation=generation,
+                       path=entry.path)
+
+    def _verdict(self, store: StoreReader, entry: FileEntry, sound: set[str] | None) -> str | None:
+        try:
+            size = store.checked_size(entry.path, sound_dirs=sound)  # as regular_file_size
+            if size != entry.size:
+                return f"does not match its manifest entry: {size} bytes, manifest says {entry.size}"
+            self.hashed += 1
+            digest = store.digest(entry.path, entry.algorithm)
+        except UnsafeFileError as exc:
+            self.unsafe.add(self.key(entry))
+            return str(exc)  # "is a symbolic link, not a regular file (refused unopened)"
+        except (FileNotFoundError, StorageError):
+            return "is missing"
+        progress.advance(entry.size)
+        if digest != entry.digest:
+            return (f"does not match its manifest entry: {entry.algorithm} {digest[:12]}..., "
+                    f"manifest says {entry.digest[:12]}...")
+        return None
+
+
 def check_digests(store: StoreReader, generation: str, manifest: Manifest,
-                  paths: Iterable[str] | None = None) -> None:
+                  paths: Iterable[str] | None = None, *,
+                  objects: ObjectVerdicts | None = None) -> None:
+    """Hash the listed files (``paths``: only these) and compare each with its entry; raise
+    ``ValidationError`` naming the first that differs. ``objects``: verdicts on shared
+    objects already reached for other generations of this store (each hashed once)."""
     wanted = None if paths is None else set(paths)
     sound: set[str] = set()
     for entry in manifest.files:
         if wanted is not None and entry.path not in wanted:
+            continue
+        if objects is not None and is_object_path(entry.path):
+            objects.check(store, generation, entry, sound)
             continue
         rel = manifest.where(entry.path)
         try:  # a missing file is named like a wrong one: restore repairs it from another tier
@@ -243,10 +311,12 @@ def repoint_latest(store: Store, gone: Collection[str], *, skip: Collection[str]
 
 
 def validate(store: StoreReader, generation: str, *, digests: bool = True,
-             key: bytes | None = None) -> Manifest:
-    """Full validation of one generation on one process; raises ``ValidationError``."""
+             key: bytes | None = None, objects: ObjectVerdicts | None = None) -> Manifest:
+    """Full validation of one generation on one process; raises ``ValidationError``.
+    ``objects``: shared-object verdicts kept across the generations of one pass
+    (:class:`ObjectVerdicts`)."""
     manifest = check_structure(store, generation, key=key)
     check_sizes(store, generation, manifest)
     if digests:
-        check_digests(store, generation, manifest)
+        check_digests(store, generation, manifest, objects=objects)
     return manifest

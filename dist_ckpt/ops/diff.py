@@ -34,8 +34,22 @@ from torch.distributed.checkpoint.metadata import (
 from .. import progress
 from ..errors import StorageError, ValidationError
 from ..format.inventory import newest_committed
-from ..format.manifest import GLOBAL_STATE_FILE, METADATA_FILE, Manifest, parse_generation, rank_state_file
-from ..format.validate import check_digests, check_sizes, check_structure, read_verified
+from ..format.manifest import (
+    DCP_DIR,
+    GLOBAL_STATE_FILE,
+    METADATA_FILE,
+    Manifest,
+    is_object_path,
+    parse_generation,
+    rank_state_file,
+)
+from ..format.validate import (
+    ObjectVerdicts,
+    check_digests,
+    check_sizes,
+    check_structure,
+    read_verified,
+)
 from ..restart import codec
 from ..restore.loader import load_in_process
 from ..storage.base import StoreReader
@@ -268,7 +282,11 @@ def _component_of(fqn: str) -> str:
 
 def _compare_dcp(a: Generation, b: Generation) -> Iterator[tuple[str, int, list[Difference]]]:
     """Model keys first, then optimizer keys; one tensor per side in memory at a time."""
-    with _TensorSource.open(a) as src_a, _TensorSource.open(b) as src_b:
+    # two generations of one root share its objects (an incremental frozen base): each
+    # object is hashed once for both sides; objects of another root are that root's files
+    same_root = a.store.url("").rstrip("/") == b.store.url("").rstrip("/")
+    shared = ObjectVerdicts() if same_root and type(a.store) is type(b.store) else None
+    with _TensorSource.open(a, shared) as src_a, _TensorSource.open(b, shared) as src_b:
         keys = _sorted_keys(src_a.items, src_b.items)
         for component in ("model", "optimizer"):
             wanted = [k for k in keys if _component_of(k) == component]
@@ -343,15 +361,20 @@ class _TensorSource:
 
     @classmethod
     @contextmanager
-    def open(cls, generation: Generation) -> Iterator[_TensorSource]:
+    def open(cls, generation: Generation,
+             objects: ObjectVerdicts | None = None) -> Iterator[_TensorSource]:
+        """``objects``: verdicts on the root's shared objects, kept across both sides."""
         name, manifest = generation.name, generation.manifest
         reader = generation.tier.open_reader(name, manifest)
         try:
             metadata = reader.read_metadata()
             if not reader.hashes_on_read:
                 # files read in place cannot be swapped under a private copy: hash them first
+                # (shared objects too: an incremental generation reads its frozen tensors there)
                 check_digests(generation.store, name, manifest, [
-                    f.path for f in manifest.files if f.path.startswith("dcp/") and f.path != METADATA_FILE])
+                    f.path for f in manifest.files
+                    if (f.path.startswith(f"{DCP_DIR}/") or is_object_path(f.path))
+                    and f.path != METADATA_FILE], objects=objects)
             yield cls(generation, reader, metadata)
         finally:
             reader.close()

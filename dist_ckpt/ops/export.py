@@ -20,7 +20,8 @@ plus one batch, never the whole model.
 
 Trust: the manifest (and its signature, with ``key``) is checked first; ``dcp/.metadata`` (a
 pickle) is deserialised only from bytes whose sha256 matches the manifest, and every
-``.distcp`` file that holds model tensors is hashed before it is read. For an object-store
+``.distcp`` file that holds model tensors (a generation's own, or a shared object an
+incremental generation references) is hashed before it is read. For an object-store
 root every file is read from a private local copy verified while it downloads (as restore
 does), so what is hashed is what is read. A local root is trusted-local data, as for restore.
 
@@ -58,6 +59,7 @@ from ..format.manifest import (
     Manifest,
     check_generation_name,
     check_relative_path,
+    dcp_entry_path,
 )
 from ..format.validate import check_digests, check_sizes, check_structure
 from ..restore.loader import load_in_process
@@ -249,7 +251,9 @@ def _model_entries(metadata: Metadata, cast: torch.dtype | None) -> tuple[list[_
 
 
 def _dcp_files(metadata: Metadata, keys: set[str]) -> set[str]:
-    return {f"dcp/{info.relative_path}" for index, info in metadata.storage_data.items()
+    """The manifest paths of the files holding ``keys``: ``dcp/<name>``, or ``objects/<name>``
+    for a shared object of an incremental generation (``../../objects/<name>`` to DCP)."""
+    return {dcp_entry_path(info.relative_path) for index, info in metadata.storage_data.items()
             if index.fqn in keys}
 
 

@@ -40,7 +40,19 @@ Phases (2 gloo ranks, ``--state-mib`` MiB of FSDP2 model + AdamW state per rank,
   unverified ``dcp.load`` + ``set_state_dict`` of the same generation's ``dcp/`` directory, at 2
   ranks and, in the 3-rank run, resharded 2 -> 3. ``--profile-cpu`` adds, for one more eager
   async save on rank 0, the user/system split per thread and ``py-spy record --native`` stacks
-  when py-spy is installed (``cpu_profile``).
+  when py-spy is installed (``cpu_profile``). Every compare run also prints the CPU floor per
+  GiB: one copy of the rank's tensors plus one BLAKE3 pass over the copied bytes (this
+  thread's CPU, ``compare.floor_series``), and each method's CPU seconds per save.
+  ``--job finetune`` (a frozen base of ``--state-mib`` per rank, trainable low-rank adapters;
+  ``--kind fsdp|ddp``; issue 28) has three columns: our async eager save with incremental
+  generations (the default), the same with ``incremental=False`` (a full save) and raw DCP
+  ``async_save``. Bytes written are counted for the saves after the first (the first, which
+  writes the base, is reported apart); restores (incremental generation, full generation,
+  ``dcp.load`` of a kept DCP save of the same state) each follow an in-place change of every
+  tensor and are checked bitwise against the saved tensors; then, unless ``--no-mirror``, the
+  mirror bytes uploaded per generation, incremental and full, counted from the listing of a
+  moto S3 server the run starts on 127.0.0.1 (``mirror``; raw DCP would upload its bytes
+  written).
 - ``report``: the timing table (slowest rank per repetition unless a row says otherwise), the
   memory table, each ratio next to its target (PASS / MISS), and the JSON document.
 
@@ -69,10 +81,19 @@ reference`` so that a reference of 0 or less still judges:
 - our sync save <= 0.9 x ``dcp.save``
 - verified ``restore()`` <= 1.3 x ``dcp.load`` of the same files, at 2 ranks and resharded 2 -> 3
 
+Issue 28 targets (``compare_report.issue28_specs``, printed as met / not met): fine-tuning job,
+after the first generation: bytes written and mirror bytes uploaded per generation <= 1.05 x the
+trainable state (adapters + AdamW, replicated tensors once, plus the small state: the
+generation's files other than tensor data); incremental ``save()`` blocking and save CPU <= 0.1 x
+the ``incremental=False`` save's; incremental time to durable <= 0.1 x DCP ``async_save``'s;
+restore of an incremental generation <= 1.1 x a full generation's, tensors bitwise equal. Fully
+trainable job: our async eager save's CPU per GiB <= 1.3 x the floor (copy + BLAKE3).
+
 Modules: ``jobs`` (the job and timing helpers, shared with ``bench_s3.py``), ``context`` (a
 rank's job), ``rawio`` (raw write/read floors), ``profiling`` (cProfile, including the save
 threads via ``threading.setprofile``), one module per phase group (``rss`` is the ``memory``
 phase; ``compare_methods`` holds the compared save methods, ``compare_report`` the compare
-table), ``cpu_profile`` (``--profile-cpu``), ``runner`` (which processes run what), ``cli``
+table, ``mirror`` the moto server and the mirror-bytes count), ``cpu_profile``
+(``--profile-cpu``), ``runner`` (which processes run what), ``cli``
 (options, output).
 """

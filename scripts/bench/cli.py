@@ -21,10 +21,13 @@ Usage (from the repository root):
                                          [--json bench-results.json] [--profile]
                                          [--phases P,...] [--compare] [--steps N] [--lost-pairs N]
                                          [--allocator caching|glibc] [--profile-cpu]
+                                         [--job full|finetune] [--kind fsdp|ddp] [--no-mirror]
 
 Phases (default: all): saves, restore (needs saves), interference, memory, commit_scale,
 heartbeat (the cost of a progress call with nothing pending), compare (dist_ckpt side by side
-with raw DCP save / async_save / async_save with async staging).
+with raw DCP save / async_save / async_save with async staging; with --job finetune: our
+incremental save, our incremental=False save and raw DCP async_save, plus the mirror bytes
+uploaded to a moto S3 server the run starts, and issue 28's targets).
 
 Phases and targets: see the docstring of scripts/bench/__init__.py. Not a test.
 """
@@ -57,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "of --state-mib per rank with trainable low-rank adapters)")
     parser.add_argument("--kind", choices=("fsdp", "ddp"), default="fsdp",
                         help="compare: FSDP2 (default) or DDP")
+    parser.add_argument("--no-mirror", action="store_true",
+                        help="compare, finetune job: leave out the mirror-bytes row (no moto S3 server)")
     parser.add_argument("--profile-cpu", action="store_true",
                         help="compare: per-thread CPU split (and py-spy stacks if installed) of one "
                              "dist_ckpt async save on rank 0")
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {"state_mib": args.state_mib, "repeats": args.repeats, "profile": args.profile,
            "phases": args.phases, "steps": args.steps, "profile_cpu": args.profile_cpu,
            "lost_pairs": args.lost_pairs, "allocator": args.allocator, "job": args.job,
-           "kind": args.kind}
+           "kind": args.kind, "mirror": not args.no_mirror}
     started = time.perf_counter()
     walls: dict[str, float] = {}
     base = tempfile.mkdtemp(prefix="bench-", dir=args.dir)
@@ -124,9 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         print_costs(raw["heartbeat"])
         doc["heartbeat_us"] = raw["heartbeat"]
     if "compare" in raw:
-        table, targets, info = compare_report.analyse(raw["compare"], cfg)
-        compare_report.print_compare(table, targets, info)
-        doc["compare"] = compare_report.document(raw["compare"], table, targets, info)
+        table, targets, info, issue28 = compare_report.analyse(raw["compare"], cfg)
+        compare_report.print_compare(table, targets, info, issue28)
+        doc["compare"] = compare_report.document(raw["compare"], table, targets, info, issue28)
         if doc["compare"]["profile_cpu"]:
             print(f"\n---- CPU profile: one dist_ckpt async eager save, rank 0 ----\n"
                   f"{format_profile(doc['compare']['profile_cpu'])}")

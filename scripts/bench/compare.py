@@ -18,6 +18,21 @@ unverified ``dcp.load`` of that generation's ``dcp/`` directory (plus ``set_stat
 ``restore()`` does too), alternated, both after one unmeasured warm-up each and with nothing
 dropped from the page cache (same conditions for both). A second, 3-rank run does the same on
 the 2-rank generation (reshard).
+
+Both jobs also measure the physical floor of a save's CPU (``floor_series``): one copy of the
+rank's tensors into preallocated buffers plus one BLAKE3 pass (one thread, the library's
+digest) over the copied bytes, CPU seconds of this thread.
+
+The fine-tuning job (``--job finetune``, issue 28) has three columns (``FINETUNE_ORDER``:
+incremental, ``incremental=False``, DCP ``async_save``). Bytes written are counted for every
+save after the first (the first, which writes the frozen base, is the unmeasured warm-up and is
+reported apart). Its restore: one more save of each method with nothing changing in between
+(the DCP one kept), a copy of the rank's tensors as the reference, then rounds of the three
+restores (incremental generation, full generation, ``dcp.load`` of the kept DCP save), each
+after an untimed in-place change of every parameter and optimizer state tensor and followed by
+an untimed bitwise comparison with the reference. Then, with a moto S3 server (``mirror``),
+the bytes each generation's mirror upload puts there, incremental and full. The reshard run
+restores the incremental generation.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ import os
 import resource
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +51,19 @@ import torch.distributed as dist
 from dist_ckpt import CheckpointConfig, CheckpointManager
 
 from . import jobs
-from .compare_methods import OUR_EAGER, OUR_SYNC, Method, OurSave, build_methods, dcp_state, lazy_supported
+from .compare_methods import (
+    DCP_ASYNC,
+    DCP_SYNC,
+    OUR_EAGER,
+    OUR_FULL,
+    OUR_SYNC,
+    DcpSave,
+    Method,
+    OurSave,
+    build_methods,
+    dcp_state,
+    lazy_supported,
+)
 
 
 @dataclass
@@ -67,6 +95,38 @@ def trainable_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     trained = [p for p in model.parameters() if p.requires_grad]
     return jobs.tensor_bytes(jobs.local_tensors(trained)) + \
         jobs.tensor_bytes(jobs.local_tensors(optimizer.state_dict()["state"]))
+
+
+def global_bytes(tensors: list[Any]) -> int:
+    """Bytes of the whole tensors (a DTensor counts its global shape, once): what one
+    checkpoint of them holds, whatever the sharding or replication."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def trainable_global_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the trainable tensors of the whole job (every rank computes the same): trained
+    parameters and the optimizer state, replicated ones (DDP) counted once."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    state = [v for per_param in optimizer.state.values() for v in per_param.values()]
+    return global_bytes(trained) + global_bytes(state)
+
+
+def small_state_bytes(root: str) -> int:
+    """Bytes of the newest generation under ``root`` other than tensor data (``.distcp`` files
+    and shared objects): the manifest, DCP's ``.metadata``, sampler, RNG and the other small
+    state a generation always carries."""
+    from dist_ckpt.format.manifest import is_object_path
+    from dist_ckpt.format.validate import list_generations, validate
+    from dist_ckpt.tiers import open_tier
+
+    tier = open_tier(root)
+    name = list_generations(tier.store)[0]
+    manifest = validate(tier.store, name, digests=False)
+    listed = sum(f.size for f in manifest.files
+                 if not is_object_path(f.path) and not f.path.endswith(".distcp"))
+    unlisted = [os.path.join(root, name, n) for n in os.listdir(os.path.join(root, name))
+                if os.path.isfile(os.path.join(root, name, n))]  # the manifest, its signature
+    return listed + sum(os.path.getsize(p) for p in unlisted)
 
 
 def standalone(job: Job, method: Method, series: dict[str, list[float]]) -> None:
@@ -101,6 +161,7 @@ def steps_run(job: Job, method: Method | None) -> tuple[float, float, float]:
     elapsed = time.perf_counter() - started
     cpu = sum(cpu_seconds()) - cpu_before
     if method is not None:
+        method.written_bytes()  # untimed: objects written by this save are not the next one's
         method.cleanup()
     return elapsed, cpu, blocking
 
@@ -131,7 +192,9 @@ def measure_saves(job: Job, methods: dict[str, Method], repeats: int,
     out = {name: {key: [] for key in SERIES} for name in methods}
     job.run_steps(2)  # warm-up
     for method in methods.values():  # first saves allocate staging buffers and plans: not measured
-        standalone(job, method, {key: [] for key in SERIES})
+        first = {key: [] for key in SERIES}
+        standalone(job, method, first)
+        out[method.name]["first_written"] = first["written"]  # generation 1, reported apart
     for index in range(max(repeats, lost_pairs)):
         order = list(methods.values())
         for method in order if index % 2 == 0 else reversed(order):
@@ -172,15 +235,105 @@ def measure_restore(mgr: CheckpointManager, model: torch.nn.Module, optimizer: t
     def load() -> None:
         dcp_load(model, optimizer, path, group)
 
-    steps = {"verified": mgr.restore, "dcp_load": load}
-    for fn in steps.values():  # warm-up: page cache and first-call costs, the same for both
+    return time_restores({"verified": mgr.restore, "dcp_load": load}, repeats)
+
+
+def time_restores(steps: dict[str, Callable[[], Any]], repeats: int,
+                  before: Callable[[], None] | None = None,
+                  check: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """All ranks: each restore of ``steps`` once unmeasured (page cache and first-call costs,
+    the same for all), then ``repeats`` rounds in alternating order, timed. ``before`` runs
+    untimed before every call, ``check`` untimed after it; with ``check``, the result has
+    ``bitwise``: per step, whether every check held."""
+    out: dict[str, Any] = {name: [] for name in steps}
+    equal = {name: True for name in steps}
+
+    def call(name: str, timed: bool) -> None:
+        if before is not None:
+            before()
         jobs.barrier()
-        fn()
-    out: dict[str, list[float]] = {name: [] for name in steps}
+        seconds = jobs.timed(steps[name])
+        if timed:
+            out[name].append(seconds)
+        if check is not None:
+            equal[name] = check() and equal[name]
+
+    for name in steps:
+        call(name, timed=False)
     for index in range(repeats):
         for name in list(steps) if index % 2 == 0 else reversed(list(steps)):
-            jobs.barrier()
-            out[name].append(jobs.timed(steps[name]))
+            call(name, timed=True)
+    if check is not None:
+        out["bitwise"] = equal
+    return out
+
+
+def perturb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Change every parameter and optimizer state tensor in place (a restore that skipped one
+    leaves it different from the saved bytes)."""
+    with torch.no_grad():
+        for tensor in jobs.local_tensors([list(model.parameters()), list(optimizer.state.values())]):
+            tensor.add_(1)
+
+
+def same_tensors(state: Any, reference: list[torch.Tensor]) -> bool:
+    """This rank's tensors of ``state`` bitwise equal to ``reference``."""
+    now = jobs.local_tensors(state.tensor_state())
+    return len(now) == len(reference) and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        for a, b in zip(now, reference, strict=True))
+
+
+def finetune_restore(job: Job, methods: dict[str, Method], group: dist.ProcessGroup,
+                     repeats: int) -> dict[str, Any]:
+    """All ranks, fine-tuning job: one more save of each method of the same state (nothing runs
+    in between; DCP's kept), then the three restores timed in rounds, each after ``perturb``
+    and checked bitwise against the tensors saved (both untimed)."""
+    incremental, full, raw = methods[OUR_EAGER], methods[OUR_FULL], methods[DCP_ASYNC]
+    assert isinstance(incremental, OurSave) and isinstance(full, OurSave) and isinstance(raw, DcpSave)
+    jobs.barrier()
+    for method in (incremental, full):
+        method.finish(method.start())
+        method.written_bytes()
+    kept = raw.save_kept()
+    reference = [t.detach().clone() for t in jobs.local_tensors(job.state.tensor_state())]
+    steps: dict[str, Callable[[], Any]] = {
+        OUR_EAGER: incremental.mgr.restore, OUR_FULL: full.mgr.restore,
+        DCP_ASYNC: lambda: dcp_load(job.model, job.optimizer, kept, group)}
+    try:
+        return time_restores(steps, repeats, before=lambda: perturb(job.model, job.optimizer),
+                             check=lambda: same_tensors(job.state, reference))
+    finally:
+        jobs.barrier()
+        if job.rank == 0:
+            shutil.rmtree(kept, ignore_errors=True)
+
+
+def floor_series(job: Job, repeats: int) -> dict[str, list[float]]:
+    """The physical floor of a save's CPU, ``repeats`` times: CPU seconds of this thread for one
+    copy of the rank's tensors into preallocated buffers, and for one BLAKE3 pass (one thread,
+    ``HASH_CHUNK`` updates, as the library's writer hashes) over the copied bytes."""
+    from dist_ckpt.digests import HASH_CHUNK, hasher
+
+    from .rawio import byte_views
+
+    tensors = jobs.local_tensors(job.state.tensor_state())
+    buffers = [torch.empty_like(t) for t in tensors]
+    jobs.copy_floor(tensors, buffers)  # first touch of the buffers is not the floor
+    views = byte_views(buffers)
+    out: dict[str, list[float]] = {"copy_cpu": [], "hash_cpu": []}
+    for _ in range(repeats):
+        jobs.barrier()
+        started = time.thread_time()
+        jobs.copy_floor(tensors, buffers)
+        copied = time.thread_time()
+        digest = hasher("blake3")
+        for view in views:
+            for offset in range(0, len(view), HASH_CHUNK):
+                digest.update(view[offset:offset + HASH_CHUNK])
+        digest.hexdigest()
+        out["copy_cpu"].append(copied - started)
+        out["hash_cpu"].append(time.thread_time() - copied)
     return out
 
 
@@ -212,27 +365,38 @@ def profile_cpu(job: Job, method: Method) -> dict[str, Any] | None:
 
 
 def rank_compare(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[str, Any]:
-    """One rank of the 2-rank compare run; leaves the sync root for the reshard run."""
+    """One rank of the 2-rank compare run; leaves the root the reshard run restores (our sync
+    save's, or for the fine-tuning job the incremental one's)."""
     torch.set_num_threads(1)
-    model, optimizer, state = jobs.build_job(cfg["state_mib"], rank, world, cfg.get("kind", "fsdp"),
-                                             cfg.get("job", "full"))
+    kind, job_name = cfg.get("kind", "fsdp"), cfg.get("job", "full")
+    finetune = job_name == "finetune"
+    model, optimizer, state = jobs.build_job(cfg["state_mib"], rank, world, kind, job_name)
     job = Job(rank, model, optimizer, state, cfg["steps"], dist.new_group(backend="gloo"))
     root = os.path.join(base, "compare")
-    methods = build_methods(root, rank, model, optimizer, state, job.group)
+    methods = build_methods(root, rank, model, optimizer, state, job.group, job_name)
     walls: dict[str, float] = {}
     out: dict[str, Any] = {"rank": rank, "lazy": lazy_supported(), "methods": list(methods),
                            "state_bytes": jobs.tensor_bytes(jobs.local_tensors(state.tensor_state())),
-                           "trainable_bytes": trainable_bytes(model, optimizer)}
-    sync = methods[OUR_SYNC]
-    assert isinstance(sync, OurSave)
+                           "trainable_bytes": trainable_bytes(model, optimizer),
+                           "trainable_global_bytes": trainable_global_bytes(model, optimizer)}
+    kept = methods[OUR_EAGER if finetune else OUR_SYNC]
+    assert isinstance(kept, OurSave)
     try:
         started = time.perf_counter()
         out["saves"] = measure_saves(job, methods, cfg["repeats"], cfg.get("lost_pairs") or cfg["repeats"])
         out["copy"] = copy_series(job, cfg["repeats"])
+        out["floor"] = floor_series(job, cfg["repeats"])
         walls["saves"] = time.perf_counter() - started
-        out["generation"], dcp_dir = generation_dcp_dir(sync.root)
         started = time.perf_counter()
-        out["restore"] = measure_restore(sync.mgr, model, optimizer, dcp_dir, job.group, cfg["repeats"])
+        if finetune:
+            out["restore"] = finetune_restore(job, methods, job.group, cfg["repeats"])
+            out["restore_columns"] = {name: name for name in methods}
+            out["small_state_bytes"] = small_state_bytes(kept.root)
+        else:
+            out["restore"] = measure_restore(kept.mgr, model, optimizer, generation_dcp_dir(kept.root)[1],
+                                             job.group, cfg["repeats"])
+            out["restore_columns"] = {"verified": OUR_SYNC, "dcp_load": DCP_SYNC}
+        out["generation"] = generation_dcp_dir(kept.root)[0]
         walls["restore"] = time.perf_counter() - started
         if cfg.get("profile_cpu"):
             out["profile_cpu"] = profile_cpu(job, methods[OUR_EAGER])
@@ -242,9 +406,16 @@ def rank_compare(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[
     jobs.barrier()
     if rank == 0:
         for method in methods.values():
-            if isinstance(method, OurSave) and method is not sync:
+            if isinstance(method, OurSave) and method is not kept:
                 shutil.rmtree(method.root, ignore_errors=True)
-    out["sync_root"], out["walls"] = sync.root, walls
+    if finetune and cfg.get("mirror"):
+        from .mirror import measure_mirror
+
+        started = time.perf_counter()
+        out["mirror"] = measure_mirror(root, cfg["mirror"], rank, state,
+                                       lambda: jobs.train_step(model, optimizer))
+        walls["mirror"] = time.perf_counter() - started
+    out["sync_root"], out["walls"] = kept.root, walls
     return out
 
 
@@ -256,4 +427,6 @@ def rank_compare_reshard(rank: int, world: int, cfg: dict[str, Any], root: str) 
     generation, dcp_dir = generation_dcp_dir(root)
     with CheckpointManager(CheckpointConfig(root=root), state) as mgr:
         times = measure_restore(mgr, model, optimizer, dcp_dir, None, cfg["repeats"])
-    return {"rank": rank, "generation": generation, "restore": times}
+    columns = {"verified": OUR_EAGER, "dcp_load": DCP_ASYNC} if cfg.get("job") == "finetune" else \
+        {"verified": OUR_SYNC, "dcp_load": DCP_SYNC}
+    return {"rank": rank, "generation": generation, "restore": times, "restore_columns": columns}

@@ -5,6 +5,10 @@ Every method saves the same tensors: the model and AdamW state dicts of the job 
 hands the library). The raw DCP methods run their collectives on a gloo group of their own, as the
 DCP documentation asks for asynchronous saves that overlap training (the library's manager has
 its own group too), and write each save into a fresh directory that is deleted after the save.
+
+The fine-tuning job (``--job finetune``) compares three columns only (issue 28): our async eager
+save with incremental generations (the default), the same with ``incremental=False`` (every
+generation written in full) and raw DCP ``async_save``.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from . import jobs
 
 # column labels, in table order
 OUR_EAGER, OUR_LAZY, OUR_SYNC = "dist_ckpt async eager", "dist_ckpt async lazy", "dist_ckpt sync"
+OUR_FULL = "dist_ckpt async eager, incremental=False"
 DCP_SYNC, DCP_ASYNC, DCP_STAGED = "DCP save", "DCP async_save", "DCP async_save + async staging"
-ORDER = (OUR_EAGER, OUR_LAZY, OUR_SYNC, DCP_SYNC, DCP_ASYNC, DCP_STAGED)
-ASYNC = frozenset({OUR_EAGER, OUR_LAZY, DCP_ASYNC, DCP_STAGED})
+ORDER = (OUR_EAGER, OUR_FULL, OUR_LAZY, OUR_SYNC, DCP_SYNC, DCP_ASYNC, DCP_STAGED)
+FINETUNE_ORDER = (OUR_EAGER, OUR_FULL, DCP_ASYNC)  # the columns of the fine-tuning job
+ASYNC = frozenset({OUR_EAGER, OUR_FULL, OUR_LAZY, DCP_ASYNC, DCP_STAGED})
 
 
 def lazy_supported() -> bool:
@@ -71,7 +77,9 @@ class Method:
         """Nothing by default."""
 
     def written_bytes(self) -> int:
-        """Bytes on disk of the last save, every rank's files (all ranks, after ``finish``)."""
+        """Bytes on disk that the last save wrote, every rank's files (all ranks, after
+        ``finish``, untimed; call it after every save: our saves count the shared objects
+        that appeared since the previous call)."""
         raise NotImplementedError
 
 
@@ -80,14 +88,34 @@ def tree_bytes(path: str) -> int:
                for parent, _dirs, names in os.walk(path) for name in names)
 
 
+def file_sizes(path: str) -> dict[str, int]:
+    """Name -> size of the files directly in ``path`` (empty when it does not exist)."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for name in names:
+        try:
+            out[name] = os.path.getsize(os.path.join(path, name))
+        except FileNotFoundError:  # swept by retention meanwhile
+            continue
+    return out
+
+
 class OurSave(Method):
-    """``CheckpointManager.save`` (eager or lazy snapshot, or sync); ``keep_last=2`` bounds disk."""
+    """``CheckpointManager.save`` (eager or lazy snapshot, or sync); ``keep_last=2`` bounds disk.
+
+    Bytes written by a save: its generation directory plus the shared objects
+    (``ROOT/objects/``, incremental generations) that were not there at the previous count;
+    an object written once and referenced afterwards counts for the save that wrote it only."""
 
     def __init__(self, name: str, root: str, state: Any, **options: Any) -> None:
         self.name, self.root = name, root
         config = CheckpointConfig(root=root, keep_last=2, **options)
         self.mgr = CheckpointManager(config, state)
         self.update = 0
+        self.objects_seen: set[str] = set()
 
     def start(self) -> Any:
         self.update += 1
@@ -100,9 +128,12 @@ class OurSave(Method):
         self.mgr.close()
 
     def written_bytes(self) -> int:
-        from dist_ckpt.format.manifest import generation_name
+        from dist_ckpt.format.manifest import OBJECTS_DIR, generation_name
 
-        return tree_bytes(os.path.join(self.root, generation_name(self.update)))
+        objects = file_sizes(os.path.join(self.root, OBJECTS_DIR))
+        new = sum(size for name, size in objects.items() if name not in self.objects_seen)
+        self.objects_seen = set(objects)
+        return tree_bytes(os.path.join(self.root, generation_name(self.update))) + new
 
 
 class DcpSave(Method):
@@ -141,6 +172,13 @@ class DcpSave(Method):
         return dcp.async_save(state, checkpoint_id=path, process_group=self.group,
                               async_stager=self.stager)
 
+    def save_kept(self) -> str:
+        """One ``start`` + ``finish`` (all ranks) into a directory that ``cleanup`` leaves,
+        for the restore measurement; its path (the caller deletes it)."""
+        handle = self.start()
+        self.finish(handle)
+        return self.paths.pop()
+
     def before_step(self, handle: Any) -> None:
         if hasattr(handle, "staging_completion"):  # the staging copy still reads the live tensors
             handle.staging_completion.result()
@@ -167,16 +205,28 @@ class DcpSave(Method):
             self.stager.close()
 
 
+def root_of(base: str, name: str) -> str:
+    """The root directory of one of our methods (a path-safe form of its label)."""
+    return os.path.join(base, name.replace(" ", "-").replace(",", "").replace("=", "-"))
+
+
 def build_methods(base: str, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  state: Any, group: dist.ProcessGroup) -> dict[str, Method]:
-    """Every method (lazy only where the library has it), by column label, in table order."""
-    roots = {name: os.path.join(base, name.replace(" ", "-")) for name in (OUR_EAGER, OUR_LAZY, OUR_SYNC)}
+                  state: Any, group: dist.ProcessGroup, job: str = "full") -> dict[str, Method]:
+    """Every method of the job (lazy only where the library has it; ``FINETUNE_ORDER`` for the
+    fine-tuning job), by column label, in table order."""
+    if job == "finetune":
+        return {
+            OUR_EAGER: OurSave(OUR_EAGER, root_of(base, OUR_EAGER), state, async_save=True),
+            OUR_FULL: OurSave(OUR_FULL, root_of(base, OUR_FULL), state, async_save=True, incremental=False),
+            DCP_ASYNC: DcpSave(DCP_ASYNC, base, rank, model, optimizer, group),
+        }
     methods: dict[str, Method] = {
-        OUR_EAGER: OurSave(OUR_EAGER, roots[OUR_EAGER], state, async_save=True),
-        OUR_SYNC: OurSave(OUR_SYNC, roots[OUR_SYNC], state, async_save=False),
+        OUR_EAGER: OurSave(OUR_EAGER, root_of(base, OUR_EAGER), state, async_save=True),
+        OUR_SYNC: OurSave(OUR_SYNC, root_of(base, OUR_SYNC), state, async_save=False),
     }
     if lazy_supported():
-        methods[OUR_LAZY] = OurSave(OUR_LAZY, roots[OUR_LAZY], state, async_save=True, snapshot="lazy")
+        methods[OUR_LAZY] = OurSave(OUR_LAZY, root_of(base, OUR_LAZY), state, async_save=True,
+                                    snapshot="lazy")
     for name in (DCP_SYNC, DCP_ASYNC, DCP_STAGED):
         methods[name] = DcpSave(name, base, rank, model, optimizer, group)
     return {name: methods[name] for name in ORDER if name in methods}

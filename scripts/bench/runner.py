@@ -17,6 +17,7 @@ from .compare import rank_compare, rank_compare_reshard
 from .context import Ctx
 from .heartbeat import rank_heartbeat
 from .interference import phase_interference
+from .mirror import moto_server
 from .restore import phase_restore, rank_reshard
 from .rss import rank_rss
 from .saves import phase_saves
@@ -66,9 +67,16 @@ def rank_environment(cfg: dict[str, Any]) -> AbstractContextManager:
 def run_compare(cfg: dict[str, Any], base: str, timed_run: Callable[[str, Callable[[], Any]], Any]
                 ) -> dict[str, Any]:
     """The compare phase: its 2-rank run, then the 3-rank restore of the generation it left,
-    both with the allocator ``cfg["allocator"]`` names."""
+    both with the allocator ``cfg["allocator"]`` names. The fine-tuning job runs beside a moto
+    S3 server of its own (``mirror.moto_server``; the mirror-bytes row) unless ``cfg["mirror"]``
+    is False (``--no-mirror``) or ``moto_server`` is not installed."""
     with rank_environment(cfg):
-        return _run_compare(cfg, base, timed_run)
+        if cfg.get("job") != "finetune" or cfg.get("mirror") is False:
+            return _run_compare({**cfg, "mirror": None}, base, timed_run)
+        with moto_server() as bucket:
+            if bucket is None:
+                print("[bench] moto_server not found: no mirror-bytes row", flush=True)
+            return _run_compare({**cfg, "mirror": bucket}, base, timed_run)
 
 
 def _run_compare(cfg: dict[str, Any], base: str, timed_run: Callable[[str, Callable[[], Any]], Any]
