@@ -9,16 +9,37 @@ the tiers' replays.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from ..digests import hasher
 from ..storage.local import open_regular
-from .manifest import FileEntry
+from .manifest import FileEntry, is_object_path
 from .validate import check_entry
 
 COPY_CHUNK = 8 << 20
+
+
+def listed_source(generation_dir: str, path: str) -> str:
+    """Where listed file ``path`` of the committed generation in ``generation_dir`` (a local
+    tier's ``ROOT/G``) lies: a shared object in that tier's ``ROOT/objects/<name>``, beside
+    the generation (``Manifest.where``), every other file below ``generation_dir``."""
+    if is_object_path(path):
+        return os.path.join(os.path.dirname(os.path.normpath(generation_dir)), path)
+    return os.path.join(generation_dir, path)
+
+
+def has_object(root: str, entry: FileEntry) -> bool:
+    """Whether ``root/objects/<name>`` is there with the size ``entry`` lists (a regular file,
+    never through a link): a replay copies or uploads an object only where this is False.
+    Its digest is not read: a damaged copy is what validation and repair find."""
+    try:
+        found = os.lstat(os.path.join(root, entry.path))
+    except OSError:
+        return False
+    return stat.S_ISREG(found.st_mode) and found.st_size == entry.size
 
 
 @contextmanager

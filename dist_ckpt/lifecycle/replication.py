@@ -13,6 +13,10 @@ publishes node copies). Then, on the returned :class:`ReplayChain`:
 - ``drain`` (rank 0) waits for the channels in chain order, ``close`` (every rank) closes them
   in chain order, so the persist thread's last hand-over reaches the mirror before it stops.
 
+Incremental generations: each channel copies a shared object only where its destination
+lacks it, and publishes only once the destination holds every object the generation lists
+(``save/replay.py``); the persist channel publishes under the root's retention lock.
+
 Each tier keeps its own retention: memory (``MemoryTierRunner.prune_memory``: the newest plus
 what the persist channel still needs), the root (``keep_last``; with the memory tier after each
 persistence and each mirror upload, never a generation the mirror still needs), the mirror
@@ -112,7 +116,11 @@ def open_replayer(ctx: Context, memory: MemoryTierRunner | None, pruner: Pruner)
     config, tiers = ctx.config, ctx.tiers
     stages: list[Replayer] = []
     if memory is not None:
-        stages.append(memory.start_persisting(ctx.comm, ctx.root_groups))
+        persist = memory.start_persisting(ctx.comm, ctx.root_groups)
+        # the root is pruned by the mirror's thread too: a sweep between the persistence's
+        # check of the root's shared objects and its publish could remove one it relies on
+        persist.publish_lock = memory._root_lock
+        stages.append(persist)
     policy = None
     if tiers.mirror is not None:
         policy = MirrorPolicy(config.mirror_every)

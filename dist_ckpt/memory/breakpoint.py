@@ -12,9 +12,14 @@ root: every update since the last persisted one, about to be lost with the node.
    the files present on a node of several (its own ranks' and the common ones);
 3. each file is copied into a pending directory under the root and hashed on the way
    (``copy_verified``): a byte changed in memory fails the copy, nothing is published, and
-   the reason is returned (the next older candidate is tried);
-4. the usual publish: signature, manifest last, fsyncs, one rename to the generation's name,
-   root fsync, sizes checked in place, ``latest.json`` moved (``move_latest``).
+   the reason is returned (the next older candidate is tried). A shared object of an
+   incremental generation (``objects/<name>``, in memory's ``objects/``) goes to
+   ``pending/objects/<name>`` only when the root's ``objects/`` lacks it (or holds it with
+   another size): the root keeps one copy of each object;
+4. the usual publish: signature, manifest last, fsyncs, the pending objects moved into the
+   root's ``objects/`` (``install_objects``: referenced bytes are durable before the rename
+   that makes the manifest visible), one rename to the generation's name, root fsync, sizes
+   checked in place, ``latest.json`` moved (``move_latest``).
 
 On several nodes each node's launcher brings its node's part. On a shared root the parts meet
 in one pending directory named by the manifest's digest; the launcher that completes it
@@ -41,8 +46,9 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import DistCkptError, GenerationExists, ValidationError
-from ..format.copy import copy_verified
-from ..format.manifest import MANIFEST_NAME, Manifest, parse_generation, pending_dir_name
+from ..format.copy import copy_verified, has_object, listed_source
+from ..format.manifest import MANIFEST_NAME, Manifest, is_object_path, parse_generation, pending_dir_name
+from ..format.objects import install_objects
 from ..format.signing import SIGNATURE_NAME, key_from_env
 from ..format.validate import check_sizes, check_structure, list_generations, move_latest
 from ..storage.local import LocalStore, fsync_dir, open_regular, write_durable
@@ -99,7 +105,7 @@ def _node_files(memory: LocalStore, generation: str, manifest: Manifest, nodes: 
     if nodes <= 1:
         check_sizes(memory, generation, manifest)
         return [f.path for f in manifest.files]
-    present = [f for f in manifest.files if memory.exists(f"{generation}/{manifest.location(f.path)}")]
+    present = [f for f in manifest.files if memory.exists(manifest.where(f.path))]
     if not present:
         raise ValidationError(f"{generation}: this node holds none of its files", generation=generation)
     check_sizes(memory, generation, manifest.model_copy(update={"files": present}))
@@ -133,7 +139,8 @@ def _publish(memory_root: str, root: str, generation: str, manifest: Manifest, r
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         _copy(memory_root, pending, generation, manifest, files, keep_present=True)
-        there = sum(os.path.exists(os.path.join(pending, f.path)) for f in manifest.files)
+        there = sum(os.path.exists(os.path.join(pending, f.path))
+                    or (is_object_path(f.path) and has_object(root, f)) for f in manifest.files)
         if there < len(manifest.files):
             return _Done(False, f"persisted this node's part of {generation} from memory to "
                                 f"{pending} ({there} of {len(manifest.files)} files): published "
@@ -154,22 +161,28 @@ def _node_local(disk: LocalStore) -> bool:
                 manifest = Manifest.from_bytes(disk.read_bytes(f"{name}/{MANIFEST_NAME}"), generation=name)
             except (ValidationError, OSError):
                 return False
-            return not all(disk.exists(f"{name}/{manifest.location(f.path)}") for f in manifest.files)
+            return not all(disk.exists(manifest.where(f.path)) for f in manifest.files)
     return False
 
 
 def _copy(memory_root: str, pending: str, generation: str, manifest: Manifest, files: list[str],
           *, keep_present: bool = False) -> None:
+    """Each of ``files`` from memory into ``pending``, verified; a shared object the root
+    (``pending``'s parent) holds already is not copied again."""
+    root = os.path.dirname(os.path.normpath(pending))
     for path in files:
-        rel = manifest.location(path)
-        target = os.path.join(pending, rel)
         entry = manifest.file(path)
-        if keep_present and entry is not None and os.path.exists(target) \
-                and os.path.getsize(target) == entry.size:
+        assert entry is not None  # a listed file (_node_files)
+        shared = is_object_path(path)
+        if shared and has_object(root, entry):
+            continue  # the root's copy serves this generation too
+        rel = path if shared else manifest.location(path)
+        target = os.path.join(pending, rel)
+        if keep_present and os.path.exists(target) and os.path.getsize(target) == entry.size:
             continue  # another node brought it, verified
         try:
-            assert entry is not None  # a listed file (_node_files)
-            copy_verified(os.path.join(memory_root, generation, rel), target, entry, generation)
+            copy_verified(listed_source(os.path.join(memory_root, generation), rel), target, entry,
+                          generation)
         except ValidationError:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(target)
@@ -179,7 +192,7 @@ def _copy(memory_root: str, pending: str, generation: str, manifest: Manifest, f
 def _commit(memory_root: str, root: str, pending: str, generation: str, manifest: Manifest,
             raw: bytes, *, check: bool) -> None:
     """Signature (the memory copy's: it signs these very manifest bytes), manifest last,
-    fsyncs, rename, root fsync, sizes, latest pointer."""
+    fsyncs, shared objects installed, rename, root fsync, sizes, latest pointer."""
     signature = os.path.join(memory_root, generation, manifest.location(SIGNATURE_NAME))
     if os.path.exists(signature):
         with open_regular(signature) as handle:
@@ -190,6 +203,8 @@ def _commit(memory_root: str, root: str, pending: str, generation: str, manifest
     final = os.path.join(root, generation)
     if os.path.exists(final):
         raise GenerationExists(f"{generation} already exists under {root}")
+    # the shared objects before the rename that makes the manifest referencing them visible
+    install_objects(pending, root)
     os.rename(pending, final)
     fsync_dir(root)
     disk = LocalStore(root)

@@ -15,7 +15,13 @@ What differs from a disk root:
   the place for evidence; the persistent root keeps its own copy of what was persisted).
 - A damaged file that restore repairs from the root or the mirror (``restore/repair.py``,
   the rename tier's ``replace_file``) is kept under this directory's ``rejected/`` (one file,
-  until the launcher removes the run's directory): the generation stays in memory.
+  until the launcher removes the run's directory): the generation stays in memory. A damaged
+  shared object is repaired where it lies, in this directory's ``objects/``.
+- Incremental generations (one node only: ``save/reuse.py``): the shared objects live in this
+  directory's ``objects/``, so saves reuse what memory holds; persistence to the root copies
+  an object only where the root lacks it (``RenameAttempt.put_files``), as does the launcher's
+  persist at breakpoint (``memory/breakpoint.py``). Dropping or rejecting a generation never
+  touches ``objects/``: retention's sweep removes what no kept generation lists.
 """
 
 from __future__ import annotations

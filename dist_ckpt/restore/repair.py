@@ -11,7 +11,14 @@ manifest has the same :meth:`~dist_ckpt.format.manifest.Manifest.identity` as T'
 save, never a re-save of the update number. Its copy of the file is streamed into a private
 directory on T's filesystem, checked against T's manifest entry (size and digest), and then
 installed in place by T (``FileRepairs.replace_file``): the damaged copy goes to
-``ROOT/rejected/<G>-files-<time>-<id>/`` with a reason. A tier without ``FileRepairs`` (an
+``ROOT/rejected/<G>-files-<time>-<id>/`` with a reason. A shared object of incremental
+generations (``objects/<name>``) is repaired the same way, per object, where it lies
+(``ROOT/objects/<name>``): one repair serves every generation that references it. Its name is
+its digest, so the source is the other tier's ``objects/<name>`` whatever generations that
+tier holds (its bytes are checked against T's entry all the same). A damaged
+shared object that no tier holds a good copy of is moved aside all the same (no
+generation listing it can load; a later replay must not find it and reference it again), and
+restore falls back past every generation that lists it. A tier without ``FileRepairs`` (an
 object-store root) is never repaired in place; restore then reads G from another tier or
 falls back, as before.
 
@@ -34,12 +41,20 @@ from .. import logs
 from ..context import Tiers
 from ..digests import hasher
 from ..errors import DistCkptError, ValidationError
-from ..format.manifest import COMMON_FILES, MANIFEST_NAME, FileEntry, Manifest, regular_file_size
+from ..format.manifest import (
+    COMMON_FILES,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    is_object_path,
+    regular_file_size,
+)
 from ..format.validate import Problem, check_digests, check_entry, read_manifest
 from ..protocol.comm import Comm
 from ..storage.base import StoreReader
 from ..storage.directio import durable_file
 from ..tiers.base import CommitTier, FileRepairs
+from ..tiers.rename import RenameTier
 
 log = logs.get("dist_ckpt.manager")
 READ_CHUNK = 8 << 20
@@ -144,28 +159,46 @@ class Repairer:
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             return "repaired", self.role(source), kept
+        if is_object_path(path) and isinstance(tier, RenameTier):
+            self._set_aside(tier, generation, manifest, path, reason)
         return "failed", "no other tier holds a good copy of the same save", None
+
+    def _set_aside(self, tier: RenameTier, generation: str, manifest: Manifest, path: str,
+                   reason: str) -> None:
+        """A damaged shared object no tier holds a good copy of: every generation that lists
+        it fails (restore falls back past them all), and left in place it would be referenced
+        again, unread, by a replay that finds it with the right size. Moved aside instead
+        (kept under ``rejected/``), so a later save or replay writes it anew."""
+        try:
+            tier.replace_file(generation, manifest, path, None, reason)
+        except (DistCkptError, OSError) as exc:
+            log.warning("cannot move the damaged %s of %s aside: %s", path, self.role(tier), exc)
 
     def _fetch(self, source: CommitTier, tier: FileRepairs, generation: str, manifest: Manifest,
                entry: FileEntry) -> str | None:
         """``source``'s copy of ``entry`` in a new directory from ``tier.repair_dir``, checked
-        against ``manifest``; None when ``source`` holds no good copy of the same save."""
-        try:
-            theirs = read_manifest(source.store, generation, key=self.key)
-        except (DistCkptError, OSError):
-            return None  # not there, or not trusted
-        if theirs.identity() != manifest.identity():
-            log.info("%s in %s is another save of that update: not a source for %s",
-                     generation, self.role(source), entry.path)
-            return None
+        against ``manifest``; None when ``source`` holds no good copy of the same save. A shared
+        object is named by its digest and checked against ``entry``'s: ``source``'s
+        ``objects/<name>`` serves whichever of its generations lists it, or none."""
+        if is_object_path(entry.path):
+            rel = entry.path
+        else:
+            try:
+                theirs = read_manifest(source.store, generation, key=self.key)
+            except (DistCkptError, OSError):
+                return None  # not there, or not trusted
+            if theirs.identity() != manifest.identity():
+                log.info("%s in %s is another save of that update: not a source for %s",
+                         generation, self.role(source), entry.path)
+                return None
+            rel = theirs.where(entry.path)
         try:
             scratch = tier.repair_dir(generation)
         except OSError as exc:
             log.warning("cannot repair %s/%s: %s", generation, entry.path, exc)
             return None
         try:
-            copy_checked(source.store, theirs.where(entry.path),
-                         os.path.join(scratch, entry.path), entry, generation)
+            copy_checked(source.store, rel, os.path.join(scratch, entry.path), entry, generation)
         except (DistCkptError, OSError) as exc:
             log.info("%s holds no good copy of %s/%s: %s", self.role(source), generation,
                      entry.path, exc)

@@ -16,9 +16,19 @@ Protocol (one replay thread per rank and channel; coordination only through the 
    generation into the destination (``CommitTier.begin`` with ``source_dir``, then
    ``put_files``: hashed as copied, or uploaded and verified) and posts a ``MirrorReport``
    under ``replay_report_key(channel, n, rank)``. Fault point ``<channel>.upload``.
-3. rank 0, once every rank reported within ``mirror_timeout_s``, publishes the attempt (the
-   manifest last; fault point ``<channel>.before_publish``). With node copies (a node-local
-   root: ``RootGroups`` with more than one group), rank 0 then offers the common files' bytes
+   A shared object of an incremental generation (``objects/<name>``, in the source's
+   ``objects/``) is copied or uploaded by the rank that wrote it, to the destination's own
+   ``objects/`` (through the pending directory of a rename tier), and only when the destination
+   lacks it: each object crosses once, whatever number of generations reference it.
+3. rank 0, once every rank reported within ``mirror_timeout_s`` (fault point
+   ``<channel>.before_publish``), checks that the destination holds every shared object the
+   manifest lists (a missing one fails the replay: a generation is never published, nor
+   recorded as completed, before every byte it references is there), then publishes the
+   attempt (the manifest last).
+   Check and publish run under ``publish_lock`` where one is set: the persist channel shares
+   the root's retention lock, so a root prune never sweeps between them an object the check
+   found. With node copies (a node-local root: ``RootGroups`` with more than one group),
+   rank 0 then offers the common files' bytes
    (``common_files.offer``) and posts the outcome under ``replay_outcome_key``; the leader of
    every other group puts the common files, verified, into its node's copy
    (``common_files.install``), publishes that copy (its ranks' files, the common files and
@@ -36,18 +46,21 @@ so the leader of a node without rank 0 never prunes a generation a replay still 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from .. import faults, logs
 from ..errors import DistCkptError, StorageError
+from ..format.copy import has_object
 from ..format.manifest import Manifest
 from ..protocol import messages
 from ..protocol.comm import Comm
@@ -102,6 +115,9 @@ class Replayer:
         self.prune_destination = prune_destination  # rank 0, after each completed replay
         self.signing_key = signing_key
         self.on_settled: Callable[[], None] | None = None  # rank 0: after each upload settles
+        # rank 0: held around the objects' check and the publish; the lock of the destination's
+        # retention when another thread prunes it (lifecycle/replication.py)
+        self.publish_lock: AbstractContextManager[object] = contextlib.nullcontext()
         self.comm = comm
         self.source = source
         self.local_root = source.local_root
@@ -259,7 +275,9 @@ class Replayer:
             if errors:
                 raise DistCkptError(f"{self.channel} replay of {generation} failed: {errors}")
             faults.hit(f"{self.channel}.before_publish", self.comm.rank)
-            published_raw = attempt.publish(manifest, self.signing_key)
+            with self.publish_lock:
+                self._check_objects(attempt, manifest)
+                published_raw = attempt.publish(manifest, self.signing_key)
             published = True
             offered = self._offer_common(manifest)
             self._post_outcome(True)
@@ -281,6 +299,26 @@ class Replayer:
             self._publish_pinned()
         if self.on_settled is not None:
             self.on_settled()
+
+    def _check_objects(self, attempt, manifest: Manifest) -> None:
+        """Rank 0, before publishing: every shared object ``manifest`` lists is in the
+        destination with its size, at its root (``objects/<name>``) or, in a rename tier, in the
+        attempt's pending directory (installed by the publish before its rename)."""
+        pending = attempt.local_dir if getattr(self.destination, "shares_objects", False) else None
+        missing = []
+        for entry in manifest.objects:
+            if pending is not None and has_object(pending, entry):
+                continue
+            try:
+                size = self.destination.store.checked_size(entry.path)
+            except (FileNotFoundError, DistCkptError, OSError):
+                size = None
+            if size != entry.size:
+                missing.append(entry.path)
+        if missing:
+            raise DistCkptError(f"{self.destination.url} lacks {len(missing)} shared object(s) that "
+                                f"{manifest.generation} references ({', '.join(missing[:3])}"
+                                f"{', ...' if len(missing) > 3 else ''}): not published")
 
     def _hand_over(self, generation: str, manifest_raw: bytes) -> None:
         if self.on_completed is None:

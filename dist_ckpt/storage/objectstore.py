@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
 from collections import deque
 from concurrent.futures import Future, wait
 from typing import IO, Any, BinaryIO
@@ -49,6 +50,14 @@ class ObjectStore:
         self.checksum_algorithm = default_algorithm()
         self.part_size = PART_SIZE
         self.parts_in_flight = 4  # per file: bounds the memory of a large upload to 4 parts
+        # bytes this process put into the store through this instance (every write below
+        # counts its body once, whatever the retries inside s3fs): what a mirror costs
+        self.bytes_sent = 0
+        self._sent_lock = threading.Lock()
+
+    def _sent(self, size: int) -> None:
+        with self._sent_lock:  # uploads run on a pool of threads
+            self.bytes_sent += size
 
     def _key(self, rel: str) -> str:
         return f"{self.base}/{rel}".rstrip("/") if rel else self.base
@@ -111,9 +120,11 @@ class ObjectStore:
     # ---- writes ------------------------------------------------------------------------
     def put_file(self, local_path: str, rel: str) -> None:
         self.fs.put_file(local_path, self._key(rel))
+        self._sent(os.path.getsize(local_path))
 
     def put_bytes(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self._key(rel), data, **self._small_checksum(data))
+        self._sent(len(data))
 
     def _small_checksum(self, data: bytes) -> dict[str, str]:
         """Checksum parameters for a body s3fs sends in one PUT (small: a signature, a pointer)."""
@@ -139,8 +150,11 @@ class ObjectStore:
                 value = encode(raw_checksum(data, algorithm))
                 self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data,
                                 **request_fields(algorithm, value))
+                self._sent(len(data))
                 return value
-            return self._put_parts(handle, bucket, key, part_size)
+            value = self._put_parts(handle, bucket, key, part_size)
+            self._sent(size)
+            return value
 
     def _put_parts(self, handle: BinaryIO, bucket: str, key: str, part_size: int) -> str:
         """A multipart upload, each part with its checksum; up to ``parts_in_flight`` parts are
@@ -207,10 +221,12 @@ class ObjectStore:
                                 **self._small_checksum(data))
             except FileExistsError as exc:
                 raise FileExistsError(f"{self.url(rel)} already exists (another writer created it)") from exc
+            self._sent(len(data))
             return
         if self.fs.exists(key):
             raise FileExistsError(f"{self.url(rel)} already exists")
         self.fs.pipe_file(key, data)
+        self._sent(len(data))
 
     # ---- what moving a generation aside needs (``dist_ckpt.tiers.rejected_store``) -------
     def find(self, rel: str) -> list[str]:

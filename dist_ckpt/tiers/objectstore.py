@@ -10,6 +10,10 @@ Protocol for generation ``G`` (docs/architecture.md, "Save"):
 2. rank 0, after every rank reported, uploads the signature into the attempt's directory,
    creates ``G/manifest.json`` with a conditional create (exactly one writer wins), checks
    the structure and the listed objects' sizes, then replaces ``latest.json``.
+As a replay's destination (the mirror), a shared object of an incremental generation goes to
+``objects/<name>`` at the store's root, uploaded only when the store lacks it there, and the
+replay creates the manifest only once every object it lists is there (``save/replay.py``);
+readers fetch it from there (``Manifest.where``, ``tiers/verified.py``).
 Readers trust only generations whose manifest exists, is named by no rejection marker and
 whose objects verify; objects of failed attempts are orphans that only retention removes
 (``debris``). A rejected generation is copied aside below ``rejected/`` (``move_aside``:
@@ -32,6 +36,7 @@ from ..format.manifest import (
     REJECTED_MARKER_PREFIX,
     FileEntry,
     Manifest,
+    is_object_path,
     pending_dir_name,
 )
 from ..format.signing import SIGNATURE_NAME, sign
@@ -57,14 +62,16 @@ _READ_BACK_ROOTS: set[str] = set()  # stores that report no checksum: warned onc
 
 def upload_files(store: ObjectStore, local_base: str, prefix: str, entries: list[dict], *,
                  concurrency: int = 4) -> None:
-    """Upload and verify this rank's files (all ranks call this for their own entries).
+    """Upload and verify this rank's files (all ranks call this for their own entries):
+    ``local_base/<path>`` to ``<prefix>/<path>`` (``<path>`` at the store's root when
+    ``prefix`` is empty: a shared object).
 
     Where the store takes transport checksums (``store.sends_checksums``: S3 and the tier's
     ``upload_verification="checksum"``), each body goes up with its checksum and one HEAD
     checks size and checksum; otherwise each object is read back and hashed ("readback")."""
 
     def one(entry: dict) -> None:
-        rel = f"{prefix}/{entry['path']}"
+        rel = f"{prefix}/{entry['path']}" if prefix else entry["path"]
         local = os.path.join(local_base, entry["path"])
         try:
             if faults.hit("upload.file", entry["rank"]).get("truncate"):
@@ -84,6 +91,15 @@ def upload_files(store: ObjectStore, local_base: str, prefix: str, entries: list
         return
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(entries)))) as pool:
         list(pool.map(one, entries))
+
+
+def has_object(store: ObjectStore, entry: dict) -> bool:
+    """Whether the store holds the shared object ``entry`` names, at its root, with the listed
+    size (its bytes are not read: a damaged one is what validation and repair find)."""
+    try:
+        return store.size(entry["path"]) == entry["size"]
+    except FileNotFoundError:
+        return False
 
 
 def verify_upload(store: ObjectStore, rel: str, entry: dict, sent: str | None) -> None:
@@ -123,7 +139,21 @@ class ObjectStoreAttempt:
         self.local_dir = source_dir or os.path.join(tier.local_root, pending_dir_name(generation, attempt_id))
 
     def put_files(self, entries: list[dict]) -> None:
-        upload_files(self.tier.store, self.local_dir, f"{self.generation}/{self.data_dir}", entries,
+        """Every rank, its own entries: uploaded below ``G/attempt-<id>/``. In a replay a shared
+        object (``objects/<name>``, in the source root's ``objects/``) goes to ``objects/<name>``
+        at the store's root, where every generation that lists it reads it, and only when the
+        store lacks it there or holds it with another size: each object is uploaded once, whatever
+        number of generations reference it. (A save into this tier writes no objects: it keeps
+        one copy per generation, ``shares_objects`` is False.)"""
+        own = [e for e in entries if not is_object_path(e["path"])]
+        shared = [e for e in entries if is_object_path(e["path"])]
+        if shared and not self.replay:
+            raise StorageError(f"{self.generation}: a save into {self.tier.url} lists shared objects, "
+                               "which only a replay brings (incremental saves are off here)")
+        upload_files(self.tier.store, self.local_dir, f"{self.generation}/{self.data_dir}", own,
+                     concurrency=self.tier.concurrency)
+        absent = [e for e in shared if not has_object(self.tier.store, e)]
+        upload_files(self.tier.store, os.path.dirname(os.path.normpath(self.local_dir)), "", absent,
                      concurrency=self.tier.concurrency)
 
     def publish(self, manifest: Manifest, signing_key: bytes | None) -> bytes:

@@ -7,6 +7,8 @@ Who calls it and when: ``dist_ckpt.restore.quarantine`` (restore) and ``dist-ckp
 A damaged file that restore replaced with a good copy of the same save goes to
 ``ROOT/rejected/<generation>-files-<UTC time>-<id>/<path>`` with its ``reason.txt``
 (``replace_file``, called by ``dist_ckpt.restore.repair``); its generation stays in place.
+A damaged shared object (``ROOT/objects/<name>``, referenced by several generations) is
+replaced where it lies and kept as ``.../<generation>-files-.../objects/<name>``.
 An object store builds the same entry by copying: ``dist_ckpt.tiers.rejected_store``.
 """
 
@@ -19,6 +21,7 @@ from ..errors import UnsafeFileError
 from ..format.manifest import (
     REASON_NAME,
     REJECTED_DIR,
+    is_object_path,
     parse_generation,
     rejected_entry_name,
     rejected_files_entry_name,
@@ -46,12 +49,20 @@ def move_aside(root: str, problem: Problem) -> str | None:
     return target
 
 
-def replace_file(root: str, generation: str, rel: str, fresh: str, reason: str) -> str | None:
+def replace_file(root: str, generation: str, rel: str, fresh: str | None, reason: str) -> str | None:
     """Install ``fresh`` as ``root/<generation>/<rel>`` (a rename: ``fresh`` is on the same
     filesystem), moving the file it replaces aside first; returns the entry that holds the
-    damaged copy, or None when there was none (a missing file)."""
-    target = os.path.join(root, generation, rel)
-    directory = os.path.join(root, generation)
+    damaged copy, or None when there was none (a missing file). A shared object (``rel`` is
+    ``objects/<name>``) is installed at ``root/objects/<name>``, where every generation that
+    references it reads it; its damaged copy goes to the same kind of entry, named after
+    ``generation`` (the one whose restore found it), as ``<entry>/objects/<name>``.
+    ``fresh`` None: the damaged copy is only moved aside (a shared object no tier holds a
+    good copy of: a later save or replay then writes it again instead of referencing it)."""
+    shared = is_object_path(rel)
+    shown = rel if shared else f"{generation}/{rel}"
+    base = root if shared else os.path.join(root, generation)
+    target = os.path.join(base, rel)
+    directory = base
     for part in [""] + rel.split("/")[:-1]:  # never written through a link out of the root
         directory = os.path.join(directory, part) if part else directory
         if os.path.islink(directory):
@@ -63,12 +74,17 @@ def replace_file(root: str, generation: str, rel: str, fresh: str, reason: str) 
         kept = os.path.join(rejected_dir, rejected_files_entry_name(generation))
         os.makedirs(os.path.dirname(os.path.join(kept, rel)), exist_ok=True)
         os.rename(target, os.path.join(kept, rel))
-        write_durable(os.path.join(kept, REASON_NAME), f"{generation}/{rel}: {reason}\n".encode())
+        write_durable(os.path.join(kept, REASON_NAME), f"{shown}: {reason}\n".encode())
         fsync_dir(kept)
         fsync_dir(rejected_dir)
+    if fresh is None:
+        if kept is not None:
+            fsync_dir(os.path.dirname(target))
+            log.warning("moved the damaged %s aside to %s", shown, kept)
+        return kept
     os.makedirs(os.path.dirname(target), exist_ok=True)
     os.rename(fresh, target)
     fsync_dir(os.path.dirname(target))
-    log.warning("replaced %s/%s with a verified copy%s", generation, rel,
+    log.warning("replaced %s with a verified copy%s", shown,
                 f"; the damaged one is in {kept}" if kept else "")
     return kept

@@ -18,7 +18,7 @@ import uuid
 
 from .. import faults, logs
 from ..errors import GenerationExists
-from ..format.copy import copy_verified
+from ..format.copy import copy_verified, has_object, listed_source
 from ..format.manifest import (
     DCP_DIR,
     MANIFEST_NAME,
@@ -27,6 +27,7 @@ from ..format.manifest import (
     Manifest,
     check_generation_name,
     check_relative_path,
+    is_object_path,
     parse_generation,
     pending_dir_name,
 )
@@ -65,11 +66,19 @@ class RenameAttempt:
         self.local_dir = os.path.join(tier.root, pending_dir_name(generation, attempt_id))
 
     def put_files(self, entries: list[dict]) -> None:
+        """A replay (every rank, its own entries): each file copied from the source tier into
+        this attempt's pending directory, hashed on the way. A shared object (``objects/<name>``,
+        in the source tier's ``objects/``) is copied to ``pending/objects/<name>`` only when
+        this root's ``objects/`` lacks it or holds it with another size; the publish installs
+        it (``install_objects``, before the rename). One this root holds is not copied again:
+        the replay's publish checks that it is still there (``Replayer._commit``)."""
         if not self.replay:
             return  # written in place and fsynced by the writer: the rename publishes them
         assert self.source_dir is not None
         for entry in (FileEntry(**fields) for fields in entries):
-            copy_verified(os.path.join(self.source_dir, entry.path),
+            if is_object_path(entry.path) and has_object(self.tier.root, entry):
+                continue
+            copy_verified(listed_source(self.source_dir, entry.path),
                           os.path.join(self.local_dir, entry.path), entry, self.generation,
                           open_target=functools.partial(durable_file, direct=self.direct_io))
 
@@ -166,10 +175,16 @@ class RenameTier:
         os.makedirs(path)
         return path
 
-    def replace_file(self, generation: str, manifest: Manifest, path: str, fresh: str,
+    def replace_file(self, generation: str, manifest: Manifest, path: str, fresh: str | None,
                      reason: str) -> str | None:
+        """Install ``fresh`` as ``path`` of ``generation`` (``dist_ckpt.restore.repair``): a
+        shared object at ``ROOT/objects/<name>``, where every generation that references it
+        reads it (one repair serves them all), any other file below the generation. The
+        damaged copy goes to ``ROOT/rejected/<G>-files-<time>-<id>/<path>``. ``fresh`` None
+        (a shared object no other tier holds): the damaged copy is only moved aside."""
         check_generation_name(generation)
-        return replace_file(self.root, generation, manifest.location(check_relative_path(path)),
+        rel = check_relative_path(path)
+        return replace_file(self.root, generation, rel if is_object_path(rel) else manifest.location(rel),
                             fresh, reason)
 
 
