@@ -119,7 +119,7 @@ def open_replayer(ctx: Context, memory: MemoryTierRunner | None, pruner: Pruner)
         persist = memory.start_persisting(ctx.comm, ctx.root_groups)
         # the root is pruned by the mirror's thread too: a sweep between the persistence's
         # check of the root's shared objects and its publish could remove one it relies on
-        persist.publish_lock = memory._root_lock
+        persist.publish_lock = memory.root_lock
         stages.append(persist)
     policy = None
     if tiers.mirror is not None:

@@ -86,7 +86,7 @@ class MemoryTierRunner:
         self.policy = PersistPolicy(config)
         self._forced: set[str] = set()
         self._lock = threading.Lock()
-        self._root_lock = threading.Lock()  # the persist and mirror threads both prune the root
+        self.root_lock = threading.Lock()  # the persist and mirror threads both prune the root
         self.root_pinned: Callable[[], set[str]] | None = None  # the mirror's still to upload
         self.ring: NodeRing | None = None
 
@@ -136,7 +136,7 @@ class MemoryTierRunner:
             pinned |= self.persister.comm.read_names(PINS_KEY)
         if self.root_pinned is not None:
             pinned |= self.root_pinned()
-        with self._root_lock:
+        with self.root_lock:
             retention.prune(self.root, keep_last=self.config.keep_last,
                             keep_every=self.config.keep_every, key=self.config.signing_key,
                             pinned=frozenset(pinned))

@@ -160,11 +160,13 @@ class FileRepairs(Protocol):
         """A new private local directory on the tier's own filesystem (so the install is a
         rename); a crash leaves it for the start-up sweep of leftover attempts."""
 
-    def replace_file(self, generation: str, manifest: Manifest, path: str, fresh: str,
+    def replace_file(self, generation: str, manifest: Manifest, path: str, fresh: str | None,
                      reason: str) -> str | None:
         """Install ``fresh`` (already verified against ``manifest``) as ``path`` of committed
-        ``generation``; the damaged copy, when there is one, is moved aside with ``reason``
-        first. Returns where it went (None: the file was missing)."""
+        ``generation`` (a shared object: at the root's ``objects/``); the damaged copy, when
+        there is one, is moved aside with ``reason`` first. ``fresh`` None: only move the
+        damaged copy aside (an object no tier holds intact). Returns where it went (None:
+        the file was missing)."""
 
 
 # ---- shared pieces of the implementations -------------------------------------------------
