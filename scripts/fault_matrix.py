@@ -95,9 +95,19 @@ ROWS = [
     Row("partial remote upload", "uploader killed mid-upload; truncated object",
         "not recorded as remote-complete; restore from the mirror takes the previous one",
         [f"{F}/test_partial_upload.py"]),
-    Row("crash during prune", "SIGKILL after a manifest removal / between two deletions",
-        "every kept generation valid; the half-deleted one never listed as committed",
-        [f"{F}/test_prune_and_writers.py::test_prune_killed_mid_way"]),
+    Row("crash during prune", "SIGKILL after a manifest removal / between two deletions; on an "
+        "incremental root also between the deletions and the sweep, after the sweep's list, after "
+        "each object renamed aside and each object removed",
+        "every kept generation valid, with digests, and every object it references there; the "
+        "half-deleted one never listed as committed; the next prune sweeps what is left",
+        [f"{F}/test_prune_and_writers.py::test_prune_killed_mid_way",
+         f"{F}/test_incremental_prune_faults.py"]),
+    Row("power loss during an incremental save", "FUSE power-loss filesystem: cut after each "
+        "persistence point of a save that installs shared objects (the first save, a rewrite over "
+        "installed names, a save reusing one object and installing another)",
+        "every generation committed before valid with digests; the cut one absent or committed and "
+        "valid; every referenced object there; restore gives the newest bitwise",
+        [f"{F}/test_incremental_power_loss.py"]),
     Row("changed world size", "save at N ranks, restore at M",
         "gathered tensors bitwise equal; sampler exactly-once",
         [f"{F}/test_world_size.py"]),

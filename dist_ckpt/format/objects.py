@@ -8,18 +8,28 @@ before the rename that commits the generation: referenced bytes are durable befo
 manifest that references them becomes visible, and a pruning pass that lists ``objects/``
 first, then the pending manifests, then the committed ones never misses a reference
 (docs/incremental.md, "Why pruning never deletes an object in use"). Torch-free.
+
+Names are digests, so a save may install an object again under the name of one a concurrent
+sweep already found unreferenced (the same bytes written anew: a second job from the same
+base, a fresh ledger). On a local root the sweep therefore records each listed object's inode
+before it reads the manifests, and removes an object by renaming it aside first
+(``objects/.swept-<name>.<tag>``): an aside file that is not the inode it judged is a fresh
+install, renamed back at once. A sweep killed between the two steps leaves an aside file;
+the next sweep puts it back when its name is missing, else deletes it (``recover_aside``).
 """
 
 from __future__ import annotations
 
 import os
+import uuid
+from dataclasses import dataclass
 
 from pydantic import ValidationError as PydanticValidationError
 
 from .. import faults, logs
 from ..errors import StorageError
-from ..storage.base import StoreReader, read_bounded
-from ..storage.local import fsync_dir
+from ..storage.base import Store, StoreReader, read_bounded
+from ..storage.local import LocalStore, fsync_dir
 from .manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -50,12 +60,16 @@ def install_objects(pending: str, root: str) -> list[str]:
     if not moved:
         return []
     target = os.path.join(root, OBJECTS_DIR)
-    os.makedirs(target, exist_ok=True)
+    if not os.path.isdir(target):
+        os.makedirs(target, exist_ok=True)
+        fsync_dir(root)  # the new objects/ entry itself is durable, not only its contents
     for path in moved:
         os.replace(os.path.join(pending, path), os.path.join(root, path))
         faults.hit("commit.object_installed", 0)
     fsync_dir(target)
-    fsync_dir(pending)
+    # the names left the pending objects/ directory: durably so, or a power cut could bring
+    # them back inside the committed generation's directory
+    fsync_dir(source)
     return moved
 
 
@@ -100,12 +114,106 @@ def referenced_objects(store: StoreReader, *, dropping: frozenset[str] = frozens
     return refs
 
 
-def unreferenced_objects(store: StoreReader, *, dropping: frozenset[str] = frozenset()) -> list[str]:
-    """The sweep's list: objects listed first, then the references read (an object installed
-    after the listing is not in it; one installed before has its manifest readable by then:
-    ``install_objects``). Raises ``SweepRefused`` when a manifest cannot be read."""
+ASIDE_PREFIX = ".swept-"  # objects/.swept-<name>.<tag>: an object a sweep is removing
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An object the sweep found unreferenced, with the identity (device, inode) it had when
+    it was listed, before the manifests were read; None where the store has no inodes."""
+
+    path: str  # objects/<name>
+    identity: tuple[int, int] | None
+
+
+def _local_path(store: StoreReader, rel: str) -> str | None:
+    return store.url(rel) if isinstance(store, LocalStore) else None
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def plan_sweep(store: StoreReader, *, dropping: frozenset[str] = frozenset()) -> list[Candidate]:
+    """The sweep's list: objects listed (and, on a local root, their inodes taken) first, then
+    the references read: an object installed after that is not in the list, and one installed
+    before has its manifest readable by then (``install_objects`` runs after the pending
+    manifest is durable, before the rename). Raises ``SweepRefused`` when a manifest cannot be
+    read."""
     listed = listed_objects(store)
     if not listed:
         return []
+    identities: dict[str, tuple[int, int] | None] = {}
+    for rel in listed:
+        local = _local_path(store, rel)
+        identity = _identity(local) if local is not None else None
+        if local is not None and identity is None:
+            continue  # gone since the listing (another sweep)
+        identities[rel] = identity
     refs = referenced_objects(store, dropping=dropping)
-    return [path for path in listed if path not in refs]
+    return [Candidate(rel, identity) for rel, identity in identities.items() if rel not in refs]
+
+
+def unreferenced_objects(store: StoreReader, *, dropping: frozenset[str] = frozenset()) -> list[str]:
+    """The paths of :func:`plan_sweep` (a dry run's list)."""
+    return [c.path for c in plan_sweep(store, dropping=dropping)]
+
+
+def remove_object(store: Store, candidate: Candidate) -> bool:
+    """Remove one object :func:`plan_sweep` listed (the sweeping process, after the listing).
+    On a local root the object is renamed aside, and deleted only when the aside file is the
+    inode that was judged unreferenced; a different inode was installed again by a save after
+    the listing and goes straight back. Returns whether the object was deleted."""
+    local = _local_path(store, candidate.path)
+    if local is None or candidate.identity is None:
+        store.remove_tree(candidate.path)
+        return True
+    folder, name = os.path.split(local)
+    aside = os.path.join(folder, f"{ASIDE_PREFIX}{name}.{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(local, aside)
+    except FileNotFoundError:
+        return False  # another sweep removed it
+    faults.hit("prune.object_aside")
+    try:
+        same = _identity(aside) == candidate.identity
+        if not same:  # a save installed it again after the listing: it may be referenced now
+            os.rename(aside, local)  # the same bytes (one digest, one name) as a fresher copy
+            log.info("%s was installed again during the sweep; kept", store.url(candidate.path))
+            return False
+        os.unlink(aside)
+    except FileNotFoundError:
+        return False  # another sweep's recovery took the aside file first: nothing lost
+    return True
+
+
+def recover_aside(store: Store) -> int:
+    """A sweep killed after renaming an object aside: put each aside file back where its name
+    is missing (the sweep about to run judges it again), delete the rest (its name holds the
+    same bytes). Call before :func:`plan_sweep`; local roots only. Returns the files put back."""
+    folder = _local_path(store, OBJECTS_DIR)
+    if folder is None:
+        return 0
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return 0
+    restored = 0
+    for aside in names:
+        original = aside[len(ASIDE_PREFIX):].rsplit(".", 1)[0]
+        if not aside.startswith(ASIDE_PREFIX) or not is_object_path(f"{OBJECTS_DIR}/{original}"):
+            continue
+        source, target = os.path.join(folder, aside), os.path.join(folder, original)
+        try:
+            if os.path.exists(target):
+                os.unlink(source)
+            else:
+                os.rename(source, target)
+                restored += 1
+        except FileNotFoundError:
+            continue  # a concurrent sweep took it
+    return restored

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .. import faults, logs
 from ..errors import StorageError, ValidationError
 from ..format.manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
-from ..format.objects import unreferenced_objects
+from ..format.objects import Candidate, plan_sweep, recover_aside, remove_object
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import list_generations, read_manifest
 from ..protocol.comm import Comm
@@ -167,11 +167,22 @@ def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = N
           pinned: frozenset[str] = frozenset(), key: bytes | None = None,
           committed: list[str] | None = None, dry_run: bool = False) -> PrunePlan:
     """Delete what :func:`plan_prune` lists (call only after the newest generation validated);
-    a deletion that fails is logged and the rest go on."""
+    a deletion that fails is logged and the rest go on. Then the sweep: the shared objects no
+    manifest under the root references any more (mark and sweep, ``format/objects.py``).
+
+    Order, each step safe to die after: each generation's manifest, then its files
+    (``prune.manifest_removed``, ``prune.between``); only then the sweep, which lists the
+    objects, reads every manifest still there (pending attempts' too), then removes the
+    objects none lists (``prune.objects_listed``, ``prune.object_aside``,
+    ``prune.object_removed``). A kill before the sweep leaves unreferenced objects the next
+    prune removes; a kill inside it leaves at most one aside file, which the next sweep puts
+    back or deletes. ``dry_run``: ``objects`` lists what the sweep would remove once the
+    listed generations are gone; nothing is touched."""
     plan = plan_prune(tier, keep_last=keep_last, keep_every=keep_every, pinned=pinned, key=key,
                       committed=committed)
     if dry_run:
-        plan.objects = _unreferenced(tier, frozenset(plan.generations + plan.incomplete))
+        dropping = frozenset(plan.generations + plan.incomplete)
+        plan.objects = [c.path for c in _sweep_plan(tier, dropping)]
         return plan
     for rel in plan.generations + plan.incomplete + plan.orphans:
         try:
@@ -180,21 +191,29 @@ def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = N
             faults.hit("prune.between")
         except OSError as exc:
             log.warning("could not prune %s: %s", rel, exc)
-    # the sweep, after the generations went: a kill between leaves objects the next one finds
-    plan.objects = _unreferenced(tier, frozenset())
-    for rel in plan.objects:
+    # the sweep only after the generations went: a manifest still there keeps its objects,
+    # and a kill in between leaves unreferenced objects for the next sweep, never the reverse
+    try:
+        recover_aside(tier.store)
+    except OSError as exc:
+        log.warning("shared objects under %s not swept: %s", tier.url, exc)
+        return plan
+    candidates = _sweep_plan(tier, frozenset())
+    faults.hit("prune.objects_listed")
+    for candidate in candidates:
         try:
-            tier.store.remove_tree(rel)
-            faults.hit("prune.object_removed")
+            if remove_object(tier.store, candidate):
+                plan.objects.append(candidate.path)
+                faults.hit("prune.object_removed")
         except OSError as exc:
-            log.warning("could not prune %s: %s", rel, exc)
+            log.warning("could not prune %s: %s", candidate.path, exc)
     return plan
 
 
-def _unreferenced(tier: CommitTier, dropping: frozenset[str]) -> list[str]:
+def _sweep_plan(tier: CommitTier, dropping: frozenset[str]) -> list[Candidate]:
     try:
-        return unreferenced_objects(tier.store, dropping=dropping)
-    except StorageError as exc:  # SweepRefused among them: keep every object this time
+        return plan_sweep(tier.store, dropping=dropping)
+    except (StorageError, OSError) as exc:  # SweepRefused among them: keep every object this time
         log.warning("shared objects under %s not swept: %s", tier.url, exc)
         return []
 
