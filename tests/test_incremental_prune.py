@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -46,8 +47,6 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 @pytest.fixture
 def root(template: tuple[Path, dict], tmp_path: Path) -> str:
-    import shutil
-
     target = tmp_path / "root"
     shutil.copytree(template[0], target)
     return str(target)
@@ -181,6 +180,20 @@ def test_remove_object_keeps_a_different_inode(root: str) -> None:
     assert not os.path.exists(path)
 
 
+def test_a_quarantined_generation_keeps_its_objects(root: str) -> None:
+    only_old, new, _ = layout(root)
+    # gens 1 and 2 rejected and moved aside (as restore or `dist-ckpt quarantine` does)
+    rejected = Path(root) / "rejected"
+    rejected.mkdir()
+    os.rename(Path(root) / G(1), rejected / f"{G(1)}-20261203T000000Z-abcdef")
+    os.rename(Path(root) / G(2), rejected / f"{G(2)}-20261203T000000Z-abcdef")
+    assert prune(open_tier(root), keep_last=1).objects == []
+    assert objects_on_disk(root) == only_old | new  # kept with the rejected entries
+    for entry in list(rejected.iterdir()):
+        shutil.rmtree(entry)  # the operator removes them: their objects go at the next sweep
+    assert prune(open_tier(root), keep_last=2).objects == sorted(only_old)
+
+
 def test_plan_sweep_of_a_root_without_objects(tmp_path: Path) -> None:
     assert plan_sweep(LocalStore(str(tmp_path))) == []
 
@@ -194,10 +207,12 @@ def test_cli_prune_on_a_root_with_objects(root: str, template) -> None:
                          text=True)
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout)["generations"] == [G(2), G(1)]
+    assert json.loads(dry.stdout)["objects"] == sorted(only_old)
     assert objects_on_disk(root) == only_old | new  # a dry run deletes nothing
     done = subprocess.run(cli, env=env, timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert f"removed generation: {G(1)}" in done.stdout
+    assert all(f"removed object: {path}" in done.stdout for path in only_old)
     assert objects_on_disk(root) == new
     assert check_committed(root) == [G(3), G(4)]
     name, tensors = restored(root)

@@ -214,6 +214,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         removed.update(incomplete=plan.incomplete)
     if tier.leaves_debris:
         removed.update(orphans=plan.orphans, multipart_aborted=plan.multipart_aborted)
+    if plan.objects:  # shared objects of incremental generations no kept one references
+        removed.update(objects=plan.objects)
     verb = "would remove" if args.dry_run else "removed"
     kept = len(committed) - len(plan.generations)
     if args.json:

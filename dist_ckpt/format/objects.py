@@ -35,9 +35,11 @@ from .manifest import (
     MAX_MANIFEST_BYTES,
     OBJECTS_DIR,
     PENDING_PREFIX,
+    REJECTED_DIR,
     Manifest,
     is_object_path,
     parse_generation,
+    rejected_generation,
 )
 
 log = logs.get(__name__)
@@ -111,6 +113,25 @@ def referenced_objects(store: StoreReader, *, dropping: frozenset[str] = frozens
     for name in store.listdir(""):
         if parse_generation(name) is not None and name not in dropping:
             refs |= _references(store, f"{name}/{MANIFEST_NAME}")
+    return refs | _quarantined_references(store)
+
+
+def _quarantined_references(store: StoreReader) -> set[str]:
+    """Objects listed by generations moved aside under ``rejected/``: kept with them, for
+    whoever examines why they were rejected (``dist-ckpt rm`` of the entry releases them). A
+    rejected manifest that does not parse references nothing: it is often the damage."""
+    refs: set[str] = set()
+    try:
+        entries = store.listdir(REJECTED_DIR) if store.exists(REJECTED_DIR) else []
+    except (OSError, StorageError):
+        return refs
+    for entry in entries:
+        if rejected_generation(entry) is None:
+            continue
+        try:
+            refs |= _references(store, f"{REJECTED_DIR}/{entry}/{MANIFEST_NAME}")
+        except SweepRefused:
+            continue
     return refs
 
 
