@@ -29,7 +29,7 @@ from pydantic import ValidationError as PydanticValidationError
 from .. import faults, logs
 from ..errors import StorageError
 from ..storage.base import Store, StoreReader, read_bounded
-from ..storage.local import LocalStore, fsync_dir
+from ..storage.local import fsync_dir
 from .manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -148,7 +148,10 @@ class Candidate:
 
 
 def _local_path(store: StoreReader, rel: str) -> str | None:
-    return store.url(rel) if isinstance(store, LocalStore) else None
+    """Where ``rel`` lies on this machine's filesystem, for a store that has one (which
+    has inodes); None for an object store."""
+    local_path = getattr(store, "local_path", None)
+    return local_path(rel) if local_path is not None else None
 
 
 def _identity(path: str) -> tuple[int, int] | None:

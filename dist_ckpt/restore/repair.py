@@ -54,7 +54,6 @@ from ..protocol.comm import Comm
 from ..storage.base import StoreReader
 from ..storage.directio import durable_file
 from ..tiers.base import CommitTier, FileRepairs
-from ..tiers.rename import RenameTier
 
 log = logs.get("dist_ckpt.manager")
 READ_CHUNK = 8 << 20
@@ -159,11 +158,11 @@ class Repairer:
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             return "repaired", self.role(source), kept
-        if is_object_path(path) and isinstance(tier, RenameTier):
+        if is_object_path(path):
             self._set_aside(tier, generation, manifest, path, reason)
         return "failed", "no other tier holds a good copy of the same save", None
 
-    def _set_aside(self, tier: RenameTier, generation: str, manifest: Manifest, path: str,
+    def _set_aside(self, tier: FileRepairs, generation: str, manifest: Manifest, path: str,
                    reason: str) -> None:
         """A damaged shared object no tier holds a good copy of: every generation that lists
         it fails (restore falls back past them all), and left in place it would be referenced

@@ -107,6 +107,10 @@ class LocalStore:
     def url(self, rel: str) -> str:
         return self._path(rel)
 
+    def local_path(self, rel: str) -> str:
+        """Where ``rel`` lies on this machine (an object store has no such method)."""
+        return self._path(rel)
+
     def exists(self, rel: str) -> bool:
         return os.path.exists(self._path(rel))
 
