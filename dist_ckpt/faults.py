@@ -72,6 +72,12 @@ def _from_env() -> dict[str, dict[str, Any]]:
     return _env_cache[1]
 
 
+def armed(point: str) -> bool:
+    """Whether a fault is configured for ``point`` now: a path that would hit it thousands of
+    times (each write request of a file) asks once, then hits only when armed."""
+    return bool((_configured if _configured is not None else _from_env()).get(point))
+
+
 def hit(point: str, rank: int | None = None) -> dict[str, Any]:
     """Apply the fault configured for ``point`` on ``rank`` (None: this process's rank);
     returns the spec that fired, else ``{}``."""

@@ -45,6 +45,8 @@ except ImportError:  # pragma: no cover - another torch release
     _item_size = _split_by_size_and_type = None  # type: ignore[assignment]
 
 SMALL_ITEM_BYTES = 64 << 10  # SmallItemsApartWriter: what goes to a rank's small-items file
+_GATHER_BELOW = 16 << 10  # HashingStream: writes this small are gathered ...
+_GATHER_MAX = 256 << 10  # ... up to this much
 
 
 @contextmanager
@@ -126,13 +128,24 @@ class HashingStream(io.RawIOBase):
         self._align_items = align_items
         self._wrote_since_tell = False
         self._item_start: int | None = None  # of the item being written, while it is unmeasured
+        # torch.save writes each record in dozens of small pieces (zip headers, the pickle):
+        # gathered here, they reach the sink and the digest in a few calls, not one per piece
+        self._pending = bytearray()
+        self._fault_armed = faults.armed("write.request")  # asked once per file
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
-        self._send(view, request=True)
+        self._request()
+        if len(view) < _GATHER_BELOW:
+            self._pending += view
+            if len(self._pending) >= _GATHER_MAX:
+                self._flush_pending()
+        else:
+            self._flush_pending()
+            self._send(view)
         if self._item_start is not None and len(view) >= IN_PLACE_MIN:
             _learn_storage_offset(self.size - self._item_start)  # the item's storage bytes
             self._item_start = None
@@ -156,16 +169,35 @@ class HashingStream(io.RawIOBase):
         return self.size
 
     def _pad(self, count: int) -> None:
-        self._send(memoryview(_ZEROS)[:count], request=False)
+        self._flush_pending()
+        self._send(memoryview(_ZEROS)[:count])
         self.size += count
 
-    def _send(self, view: memoryview, *, request: bool) -> None:
-        """Hand ``view`` to the sink and the digest; ``request``: one of DCP's write requests
-        (cancellable, and where a slow or failing disk is injected), not padding."""
+    def _request(self) -> None:
+        """One of DCP's write requests: cancellable, and where a slow or failing disk is
+        injected (per request)."""
+        self._check_cancel()
+        if self._fault_armed:
+            try:
+                faults.hit("write.request", self._rank)
+            except OSError as exc:
+                if self._on_error is not None:
+                    self._on_error(exc)
+                raise
+
+    def finish(self) -> None:
+        """The gathered tail to the sink (before the sink finishes the file)."""
+        self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            with memoryview(self._pending) as view:
+                self._send(view)
+            self._pending.clear()
+
+    def _send(self, view: memoryview) -> None:
+        """Hand ``view`` to the sink and the digest."""
         try:
-            if request:
-                self._check_cancel()
-                faults.hit("write.request", self._rank)  # a slow or failing disk, per request
             self._sink.write(view, self._digest.update)
         except OSError as exc:
             # torch.save's native writer reports a failed write as "unexpected pos": keep
@@ -229,6 +261,7 @@ class HashingFileSystem(FileSystem):
                                    align_items=sink.direct and name not in self.unaligned)
             yield stream
             stream._check_cancel()  # no tail, no fsync of a doomed file either
+            stream.finish()
         with self._lock:
             self.digests[name] = (stream.size, stream.hexdigest())
 
@@ -253,21 +286,31 @@ class SmallItemsApartWriter(FileSystemWriter):
         small: list[WriteItem] = []
         large: list[WriteItem] = []
         files: queue.Queue = queue.Queue()
+        unaligned: list[str] = []
         for index, item in enumerate(i for i in plan.items if i.index in self.object_items):
             assert self.object_name is not None
             name = self.object_name(plan.storage_data.prefix, index)  # one file per object
             files.put((self.fs.concat_path(self.path, name), name, [item]))
+            if _item_size(item) < IN_PLACE_MIN:
+                unaligned.append(os.path.basename(name))
+        medium: list[WriteItem] = []  # over SMALL_ITEM_BYTES, under IN_PLACE_MIN
         for item in plan.items:
             if item.index in self.object_items:
                 continue
             is_small = item.type == WriteItemType.BYTE_IO or _item_size(item) <= SMALL_ITEM_BYTES
-            (small if is_small else large).append(item)
+            (small if is_small else medium if _item_size(item) < IN_PLACE_MIN else large).append(item)
         buckets = [b for b in _split_by_size_and_type(self.thread_count, large) if b]
-        for index, bucket in enumerate([*buckets, small] if small else buckets):
+        # an item under IN_PLACE_MIN takes the write buffer's copy wherever it lies: aligning it
+        # would only add padding (up to ALIGN bytes per item, most of a small generation's
+        # overhead), so such items share files whose items are packed
+        packed = [b for b in _split_by_size_and_type(self.thread_count, medium) if b]
+        for index, bucket in enumerate([*buckets, *packed, *([small] if small else [])]):
             name = f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}"
-            if bucket is small and isinstance(self.fs, HashingFileSystem):
-                self.fs.unaligned.add(name)  # padding each small item would bloat the file
+            if index >= len(buckets):
+                unaligned.append(name)
             files.put((self.fs.concat_path(self.path, name), name, bucket))
+        if isinstance(self.fs, HashingFileSystem):
+            self.fs.unaligned.update(unaligned)
         return self._write_data(planner, files)
 
 

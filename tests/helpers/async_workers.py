@@ -295,8 +295,8 @@ def copy_before_peers_agree(rank: int, world: int, root: str) -> dict:
     stage = staging.StagingSlot.stage
     copied: list[int] = []
 
-    def stage_and_signal(slot, state):
-        staged = stage(slot, state)
+    def stage_and_signal(slot, state, *rest):
+        staged = stage(slot, state, *rest)
         copied.append(len(copied) + 1)
         if rank == 0:
             store.set(f"copied-{len(copied)}", b"1")
