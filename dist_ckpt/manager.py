@@ -203,7 +203,8 @@ class CheckpointManager:
         self.stats.requested += 1
         live = self.state.tensor_state()
         fingerprint = layout_fingerprint(live)
-        reuse = self.reuse.plan(live, fingerprint) if self.reuse is not None else None
+        reuse = None if self.reuse is None else \
+            self.reuse.plan(live, fingerprint, self.plans.written_fqns(fingerprint))
         keep_live = reuse.keeps_live if reuse is not None else None
         name = generation_name(next_update)
         ahead: Staged | None = None
@@ -312,6 +313,9 @@ class CheckpointManager:
             slot = self.staging.acquire() if self.staging is not None else None
         pending: PendingCopy | None = None
         try:
+            if reuse is not None and not all_cached and reuse.stage_everything_written() \
+                    and ahead is not None:
+                ahead = Staged(ahead.slot, ahead.slot.stage(live, reuse.keeps_live))  # plans again
             if ahead is not None:
                 staged = ahead.staged
             elif slot is None:

@@ -229,3 +229,19 @@ def test_a_job_restarted_at_another_world_size_writes_its_shards_anew(tmp_path) 
     assert len(second) == 2 and not set(second) & set(objects_of(root, GEN1))
     restored = run_ranks(1, finetune_jobs.restore, "plain", root)[0]
     assert_same(resumed["full"][2], restored["full"])
+
+
+@pytest.mark.processes
+def test_ddp_stages_no_frozen_tensor_another_rank_writes(tmp_path) -> None:
+    root = str(tmp_path / "root")
+    results = run_ranks(2, finetune_jobs.run, "ddp", root, [1, 2, 3], {"async_save": True})
+    one_weight = finetune_jobs.WIDTH * finetune_jobs.WIDTH * 4
+    for rank, saved in enumerate(results):
+        staged = saved["staged_bytes"]
+        assert staged[1] >= 2 * one_weight, rank  # no plan yet: the whole replicated base
+        # DCP writes each replicated weight once, on one rank: the other stages none of it,
+        # and the one that wrote it references it from then on
+        assert staged[2] < one_weight and staged[3] < one_weight, (rank, staged)
+    assert len(objects_of(root, GEN2)) == 2
+    restored = run_ranks(2, finetune_jobs.restore, "ddp", root)[0]
+    assert_same(results[0]["full"][3], restored["full"])

@@ -64,6 +64,13 @@ class SavePlanCache:
         self.planning_rounds = 0
         self.plan_bytes: int | None = None  # tensor bytes this rank writes under the cached plan
 
+    def written_fqns(self, fingerprint: str) -> frozenset[str] | None:
+        """The state-dict keys this rank writes under the cached plan, when that plan is for
+        ``fingerprint``; None otherwise (the next save plans again)."""
+        if self._plan is None or fingerprint != self.fingerprint:
+            return None
+        return frozenset(item.index.fqn for item in self._plan.items)
+
     def clear(self) -> None:
         """Forget the cached plan (the next ``prepare`` plans again on every rank)."""
         self.fingerprint, self._plan, self._metadata, self.plan_bytes = None, None, None, None

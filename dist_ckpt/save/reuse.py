@@ -109,10 +109,22 @@ class ReusePlan:
     live_ids: frozenset[int]  # id() of the live tensors of ``reused``: not staged
     owners: dict[str, weakref.ref] = field(default_factory=dict)
     written: dict[str, dict[Chunk, Record]] = field(default_factory=dict)  # set by the write
+    # id() of frozen candidates the cached plan gives to another rank (DCP writes a replicated
+    # item once: with DDP each rank writes about 1/world of the base): not staged either,
+    # unless the save plans again (``stage_everything_written``)
+    elsewhere_ids: frozenset[int] = frozenset()
 
     def keeps_live(self, tensor: torch.Tensor) -> bool:
         """Whether staging leaves ``tensor`` out (the staged structure holds the live one)."""
-        return id(tensor) in self.live_ids
+        return id(tensor) in self.live_ids or id(tensor) in self.elsewhere_ids
+
+    def stage_everything_written(self) -> bool:
+        """The save plans again (not every rank had the plan cached), so another rank's item
+        may become this rank's: from now on only the reused tensors stay unstaged. Returns
+        whether anything changed (the caller stages again)."""
+        changed = bool(self.elsewhere_ids)
+        self.elsewhere_ids = frozenset()
+        return changed
 
     @property
     def reused_bytes(self) -> int:
@@ -168,8 +180,9 @@ class ReuseLedger:
         return found
 
     @torch.no_grad()
-    def plan(self, live: Any, fingerprint: str) -> ReusePlan:
-        """Main thread, in ``save()``, before staging: the proofs and what is reused."""
+    def plan(self, live: Any, fingerprint: str, mine: frozenset[str] | None = None) -> ReusePlan:
+        """Main thread, in ``save()``, before staging: the proofs and what is reused. ``mine``:
+        the keys this rank writes under the cached plan for ``fingerprint`` (None: unknown)."""
         proofs, owners, kept = self._proofs(live)
         with self._lock:
             self.planned += 1
@@ -178,7 +191,10 @@ class ReuseLedger:
             reused = {} if full or fingerprint != self.fingerprint else {
                 fqn: self.records[fqn] for fqn, proof in proofs.items()
                 if fqn in self.records and self._same(fqn, proof, owners[fqn])}
-        return ReusePlan(proofs, reused, frozenset(id(kept[fqn]) for fqn in reused), owners)
+        elsewhere = frozenset() if mine is None else frozenset(
+            id(value) for fqn, value in kept.items() if fqn not in mine)
+        return ReusePlan(proofs, reused, frozenset(id(kept[fqn]) for fqn in reused), owners,
+                         elsewhere_ids=elsewhere)
 
     def _proofs(self, live: Any) -> tuple[dict[str, Proof], dict[str, weakref.ref], dict[str, torch.Tensor]]:
         """Every frozen candidate of ``live`` by fqn: its proof now, its parameter, its tensor."""
