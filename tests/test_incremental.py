@@ -78,11 +78,17 @@ def test_either_generation_restores_bitwise_at_the_same_world_size(fsdp_root, tm
 
 
 @pytest.mark.processes
-def test_restore_at_another_world_size(fsdp_root) -> None:
+def test_either_generation_restores_at_another_world_size(fsdp_root, tmp_path) -> None:
     root, saved = fsdp_root
     restored = run_ranks(1, finetune_jobs.restore, "plain", root)
     assert restored[0]["generation"] == GEN2
     assert_same(saved["full"][2], restored[0]["full"])
+    copy = str(tmp_path / "root")
+    shutil.copytree(root, copy)
+    shutil.rmtree(os.path.join(copy, GEN2))
+    restored = run_ranks(1, finetune_jobs.restore, "plain", copy)
+    assert restored[0]["generation"] == GEN1
+    assert_same(saved["full"][1], restored[0]["full"])
 
 
 @pytest.mark.processes
