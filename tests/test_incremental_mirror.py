@@ -81,7 +81,7 @@ def test_a_missing_object_fails_the_replay(s3_root: str, tmp_path, monkeypatch) 
     root = str(tmp_path / "root")
     job = Job("plain", 0, 1)
     with manager(job, root, mirror=s3_root) as mgr:
-        monkeypatch.setattr(objectstore_tier, "has_object", lambda store, entry: True)
+        monkeypatch.setattr(objectstore_tier, "holds_object", lambda store, entry: True)
         job.step()
         mgr.save(1)
         mgr.wait()

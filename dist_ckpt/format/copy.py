@@ -9,7 +9,6 @@ the tiers' replays.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -29,17 +28,6 @@ def listed_source(generation_dir: str, path: str) -> str:
     if is_object_path(path):
         return os.path.join(os.path.dirname(os.path.normpath(generation_dir)), path)
     return os.path.join(generation_dir, path)
-
-
-def has_object(root: str, entry: FileEntry) -> bool:
-    """Whether ``root/objects/<name>`` is there with the size ``entry`` lists (a regular file,
-    never through a link): a replay copies or uploads an object only where this is False.
-    Its digest is not read: a damaged copy is what validation and repair find."""
-    try:
-        found = os.lstat(os.path.join(root, entry.path))
-    except OSError:
-        return False
-    return stat.S_ISREG(found.st_mode) and found.st_size == entry.size
 
 
 @contextmanager

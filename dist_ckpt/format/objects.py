@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError as PydanticValidationError
 
 from .. import faults, logs
-from ..errors import StorageError
+from ..errors import DistCkptError, StorageError
 from ..storage.base import Store, StoreReader, read_bounded
 from ..storage.local import fsync_dir
 from .manifest import (
@@ -36,6 +36,7 @@ from .manifest import (
     OBJECTS_DIR,
     PENDING_PREFIX,
     REJECTED_DIR,
+    FileEntry,
     Manifest,
     is_object_path,
     parse_generation,
@@ -73,6 +74,17 @@ def install_objects(pending: str, root: str) -> list[str]:
     # them back inside the committed generation's directory
     fsync_dir(source)
     return moved
+
+
+def holds_object(store: StoreReader, entry: FileEntry) -> bool:
+    """Whether ``store`` holds the shared object ``entry`` names (``objects/<name>`` below its
+    root) with the listed size, as a regular file reached without links: a replay copies or
+    uploads an object only where this is False, and publishes only where it is True for every
+    object listed. Its digest is not read: a damaged copy is what validation and repair find."""
+    try:
+        return store.checked_size(entry.path) == entry.size
+    except (OSError, DistCkptError):  # missing, a link, not a regular file, unreadable
+        return False
 
 
 def listed_objects(store: StoreReader) -> list[str]:

@@ -46,9 +46,9 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import DistCkptError, GenerationExists, ValidationError
-from ..format.copy import copy_verified, has_object, listed_source
+from ..format.copy import copy_verified, listed_source
 from ..format.manifest import MANIFEST_NAME, Manifest, is_object_path, parse_generation, pending_dir_name
-from ..format.objects import install_objects
+from ..format.objects import holds_object, install_objects
 from ..format.signing import SIGNATURE_NAME, key_from_env
 from ..format.validate import check_sizes, check_structure, list_generations, move_latest
 from ..storage.local import LocalStore, fsync_dir, open_regular, write_durable
@@ -140,7 +140,8 @@ def _publish(memory_root: str, root: str, generation: str, manifest: Manifest, r
         fcntl.flock(fd, fcntl.LOCK_EX)
         _copy(memory_root, pending, generation, manifest, files, keep_present=True)
         there = sum(os.path.exists(os.path.join(pending, f.path))
-                    or (is_object_path(f.path) and has_object(root, f)) for f in manifest.files)
+                    or (is_object_path(f.path) and holds_object(LocalStore(root), f))
+                    for f in manifest.files)
         if there < len(manifest.files):
             return _Done(False, f"persisted this node's part of {generation} from memory to "
                                 f"{pending} ({there} of {len(manifest.files)} files): published "
@@ -169,12 +170,12 @@ def _copy(memory_root: str, pending: str, generation: str, manifest: Manifest, f
           *, keep_present: bool = False) -> None:
     """Each of ``files`` from memory into ``pending``, verified; a shared object the root
     (``pending``'s parent) holds already is not copied again."""
-    root = os.path.dirname(os.path.normpath(pending))
+    disk = LocalStore(os.path.dirname(os.path.normpath(pending)))
     for path in files:
         entry = manifest.file(path)
         assert entry is not None  # a listed file (_node_files)
         shared = is_object_path(path)
-        if shared and has_object(root, entry):
+        if shared and holds_object(disk, entry):
             continue  # the root's copy serves this generation too
         rel = path if shared else manifest.location(path)
         target = os.path.join(pending, rel)

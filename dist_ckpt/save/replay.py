@@ -60,8 +60,8 @@ import torch.distributed as dist
 
 from .. import faults, logs
 from ..errors import DistCkptError, StorageError
-from ..format.copy import has_object
 from ..format.manifest import Manifest
+from ..format.objects import holds_object
 from ..protocol import messages
 from ..protocol.comm import Comm
 from ..protocol.messages import MirrorAnnouncement, MirrorReport
@@ -304,17 +304,11 @@ class Replayer:
         """Rank 0, before publishing: every shared object ``manifest`` lists is in the
         destination with its size, at its root (``objects/<name>``) or, in a rename tier, in the
         attempt's pending directory (installed by the publish before its rename)."""
-        pending = attempt.local_dir if getattr(self.destination, "shares_objects", False) else None
-        missing = []
-        for entry in manifest.objects:
-            if pending is not None and has_object(pending, entry):
-                continue
-            try:
-                size = self.destination.store.checked_size(entry.path)
-            except (FileNotFoundError, DistCkptError, OSError):
-                size = None
-            if size != entry.size:
-                missing.append(entry.path)
+        pending = open_store(attempt.local_dir) \
+            if getattr(self.destination, "shares_objects", False) else None
+        missing = [entry.path for entry in manifest.objects
+                   if not (pending is not None and holds_object(pending, entry))
+                   and not holds_object(self.destination.store, entry)]
         if missing:
             raise DistCkptError(f"{self.destination.url} lacks {len(missing)} shared object(s) that "
                                 f"{manifest.generation} references ({', '.join(missing[:3])}"

@@ -39,6 +39,7 @@ from ..format.manifest import (
     is_object_path,
     pending_dir_name,
 )
+from ..format.objects import holds_object
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, check_structure, move_latest
 from ..storage import checksum
@@ -93,15 +94,6 @@ def upload_files(store: ObjectStore, local_base: str, prefix: str, entries: list
         list(pool.map(one, entries))
 
 
-def has_object(store: ObjectStore, entry: dict) -> bool:
-    """Whether the store holds the shared object ``entry`` names, at its root, with the listed
-    size (its bytes are not read: a damaged one is what validation and repair find)."""
-    try:
-        return store.size(entry["path"]) == entry["size"]
-    except FileNotFoundError:
-        return False
-
-
 def verify_upload(store: ObjectStore, rel: str, entry: dict, sent: str | None) -> None:
     """Size and transport checksum from one HEAD when ``sent`` is the checksum the upload sent;
     else (read-back mode, or a store that reports no checksum) size, then the manifest digest
@@ -152,7 +144,7 @@ class ObjectStoreAttempt:
                                "which only a replay brings (incremental saves are off here)")
         upload_files(self.tier.store, self.local_dir, f"{self.generation}/{self.data_dir}", own,
                      concurrency=self.tier.concurrency)
-        absent = [e for e in shared if not has_object(self.tier.store, e)]
+        absent = [e for e in shared if not holds_object(self.tier.store, FileEntry(**e))]
         upload_files(self.tier.store, os.path.dirname(os.path.normpath(self.local_dir)), "", absent,
                      concurrency=self.tier.concurrency)
 

@@ -18,7 +18,7 @@ import uuid
 
 from .. import faults, logs
 from ..errors import GenerationExists
-from ..format.copy import copy_verified, has_object, listed_source
+from ..format.copy import copy_verified, listed_source
 from ..format.manifest import (
     DCP_DIR,
     MANIFEST_NAME,
@@ -31,7 +31,7 @@ from ..format.manifest import (
     parse_generation,
     pending_dir_name,
 )
-from ..format.objects import install_objects
+from ..format.objects import holds_object, install_objects
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, move_latest
 from ..storage.base import is_remote
@@ -76,7 +76,7 @@ class RenameAttempt:
             return  # written in place and fsynced by the writer: the rename publishes them
         assert self.source_dir is not None
         for entry in (FileEntry(**fields) for fields in entries):
-            if is_object_path(entry.path) and has_object(self.tier.root, entry):
+            if is_object_path(entry.path) and holds_object(self.tier.store, entry):
                 continue
             copy_verified(listed_source(self.source_dir, entry.path),
                           os.path.join(self.local_dir, entry.path), entry, self.generation,
