@@ -4,7 +4,6 @@ full; every generation restores by itself, at the same and at another world size
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -12,26 +11,22 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dist_ckpt.format.manifest import INCREMENTAL_FORMAT_VERSION, OBJECTS_DIR, is_object_path
+from dist_ckpt.format.manifest import INCREMENTAL_FORMAT_VERSION, OBJECTS_DIR
 from dist_ckpt.save.reuse import ReuseLedger
 from dist_ckpt.testing import run_ranks
 from tests.helpers import finetune_jobs
 from tests.helpers.finetune_jobs import Tuned
+from tests.helpers.incremental_tiers import manifest, objects_of, own_bytes
 
 GEN1, GEN2 = "gen-000000000001", "gen-000000000002"
 
 
-def manifest(root: str, generation: str) -> dict:
-    with open(os.path.join(root, generation, "manifest.json"), encoding="utf-8") as handle:
-        return json.load(handle)
-
-
-def objects_of(root: str, generation: str) -> dict[str, int]:
-    return {f["path"]: f["size"] for f in manifest(root, generation)["files"] if is_object_path(f["path"])}
-
-
-def own_bytes(root: str, generation: str) -> int:
-    return sum(f["size"] for f in manifest(root, generation)["files"] if not is_object_path(f["path"]))
+def without_second(root: str, tmp_path) -> str:  # noqa: ANN001 - pytest's tmp_path
+    """A copy of ``root`` without gen 2: gen 1 must restore by itself (objects stay)."""
+    copy = str(tmp_path / "root")
+    shutil.copytree(root, copy)
+    shutil.rmtree(os.path.join(copy, GEN2))
+    return copy
 
 
 def assert_same(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> None:
@@ -69,10 +64,7 @@ def test_either_generation_restores_bitwise_at_the_same_world_size(fsdp_root, tm
     assert restored[0]["generation"] == GEN2
     assert_same(saved["full"][2], restored[0]["full"])
     # the first generation without the second: complete by itself
-    copy = str(tmp_path / "root")
-    shutil.copytree(root, copy)
-    shutil.rmtree(os.path.join(copy, GEN2))
-    restored = run_ranks(2, finetune_jobs.restore, "fsdp", copy)
+    restored = run_ranks(2, finetune_jobs.restore, "fsdp", without_second(root, tmp_path))
     assert restored[0]["generation"] == GEN1
     assert_same(saved["full"][1], restored[0]["full"])
 
@@ -83,10 +75,7 @@ def test_either_generation_restores_at_another_world_size(fsdp_root, tmp_path) -
     restored = run_ranks(1, finetune_jobs.restore, "plain", root)
     assert restored[0]["generation"] == GEN2
     assert_same(saved["full"][2], restored[0]["full"])
-    copy = str(tmp_path / "root")
-    shutil.copytree(root, copy)
-    shutil.rmtree(os.path.join(copy, GEN2))
-    restored = run_ranks(1, finetune_jobs.restore, "plain", copy)
+    restored = run_ranks(1, finetune_jobs.restore, "plain", without_second(root, tmp_path))
     assert restored[0]["generation"] == GEN1
     assert_same(saved["full"][1], restored[0]["full"])
 
