@@ -23,7 +23,8 @@ import random
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -96,6 +97,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# torch's rendezvous: with this set to "True", every rank, rank 0 included, connects to the
+# store at the rendezvous address as a client instead of rank 0 listening there itself
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+@contextmanager
+def held_store(timeout_s: float) -> Iterator[int]:
+    """The caller's own rendezvous store, listening on a port the kernel chose; yields it.
+
+    Call order: the parent enters this before starting the ranks and leaves it after joining
+    them; each rank calls :func:`join_store` before ``init_process_group``
+    (``tcp://127.0.0.1:<port>`` or ``env://`` with ``MASTER_PORT``). A port drawn by
+    :func:`free_port` is closed until rank 0 binds it, and under a busy suite another test's
+    listener sometimes takes it in that gap (rank 0 then fails with EADDRINUSE); a store that is
+    already listening before any rank starts leaves no such gap."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    try:
+        yield store.port
+    finally:
+        del store  # the last reference: the server stops listening
+
+
+def join_store() -> None:
+    """In a started rank, before ``init_process_group``: rendezvous as a client of the caller's
+    :func:`held_store` at the rendezvous address instead of listening there."""
+    os.environ[AGENT_STORE_ENV] = str(True)
+
+
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
            args: tuple, timeout_s: float, inherited: tuple[dict[str, str], str]) -> None:
     enter_rank(inherited)
@@ -105,6 +135,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
     import torch
 
     torch.set_num_threads(1)
+    join_store()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
@@ -128,9 +159,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
               timeout_s: float = 120.0) -> list[Any]:
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as out_dir, held_store(timeout_s) as port:
         context = rank_context()
-        mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args, timeout_s,
+        mp.start_processes(_entry, args=(world_size, port, out_dir, fn, args, timeout_s,
                                          rank_environment()),
                            nprocs=world_size, join=True, start_method=context.get_start_method())
         results = []

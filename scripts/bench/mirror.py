@@ -2,7 +2,7 @@
 the count of what each generation's mirror upload put into it.
 
 Call order: the parent process enters :func:`moto_server` (``runner``) around the compare runs;
-it starts ``moto_server`` (next to this interpreter) on a free port, creates one bucket and
+it starts a moto server on a port the kernel chose, creates one bucket and
 exports the endpoint and test credentials, so the spawned ranks inherit them. Each rank of
 the 2-rank compare run then calls :func:`measure_mirror` once per mode (all ranks: collective
 saves), after the timed rounds, so that no upload runs beside a timed save.
@@ -18,73 +18,29 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from unittest import mock
 
 from . import jobs
 
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 600.0  # one generation's upload (a full 1 GiB generation to moto takes seconds)
 GENERATIONS = 3  # per mode: the first (every object new) and two measured ones
 MODES = {"incremental": True, "full": False}  # mode -> CheckpointConfig.incremental
 
 
-def moto_executable() -> str | None:
-    """``moto_server`` next to this interpreter (the venv's), else on PATH; None if absent."""
-    local = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    return local if os.access(local, os.X_OK) else shutil.which("moto_server")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def moto_server() -> Iterator[str | None]:
-    """Parent process: a moto S3 server with one fresh bucket, the environment pointing at it;
-    yields ``s3://<bucket>``, or None when ``moto_server`` is not installed (no mirror row).
-    The server is terminated (then killed) on exit, every wait bounded."""
-    exe = moto_executable()
-    if exe is None:
+    """Parent process: a moto S3 server (``tests.helpers.s3``) with one fresh bucket, the
+    environment pointing at it; yields ``s3://<bucket>``, or None when moto is not installed
+    (no mirror row). The server stops on exit, every wait bounded."""
+    from tests.helpers.s3 import moto_available, moto_endpoint, new_bucket
+
+    if not moto_available():
         yield None
         return
-    port = free_port()
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.05)  # polling a port that is coming up, bounded by the deadline
-        with mock.patch.dict(os.environ, env):
-            bucket = f"bench-{uuid.uuid4().hex[:10]}"
-            s3fs_filesystem().mkdir(bucket)
-            yield f"s3://{bucket}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=STOP_TIMEOUT_S)
+    with moto_endpoint():
+        yield f"s3://{new_bucket('bench')}"
 
 
 def s3fs_filesystem() -> Any:

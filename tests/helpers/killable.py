@@ -21,11 +21,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from dist_ckpt.testing import enter_rank, free_port, rank_context, rank_environment
+from dist_ckpt.testing import enter_rank, held_store, join_store, rank_context, rank_environment
 
 
 @dataclass
@@ -45,6 +46,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
     torch.set_num_threads(1)
     with open(os.path.join(out_dir, f"pid{rank}"), "w") as handle:
         handle.write(str(os.getpid()))
+    join_store()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     result = fn(rank, world, *args)
@@ -60,7 +62,8 @@ class Ranks:
     def __init__(self, world: int, fn: Callable, args: tuple, timeout_s: float) -> None:
         self.out_dir = tempfile.mkdtemp(prefix="killable-")
         context = rank_context()
-        port, inherited = free_port(), rank_environment()
+        self.store = ExitStack()  # listening until join: a killed rank 0 does not take it along
+        port, inherited = self.store.enter_context(held_store(timeout_s)), rank_environment()
         self.processes = [context.Process(target=_entry, args=(rank, world, port, self.out_dir, fn, args,
                                                                 timeout_s, inherited), daemon=False)
                           for rank in range(world)]
@@ -97,6 +100,7 @@ class Ranks:
                     result = pickle.load(handle)
             outcomes.append(Outcome(process.exitcode, result))
         shutil.rmtree(self.out_dir, ignore_errors=True)  # every rank has exited: nothing writes there
+        self.store.close()
         return outcomes
 
 

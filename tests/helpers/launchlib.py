@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dist_ckpt import runinfo
 from dist_ckpt.format.manifest import MANIFEST_NAME, parse_generation
 from dist_ckpt.launcher_api import CURRENT_NAME, LAUNCH_LOG_NAME, RUNS_DIR, STARTS_DIR
-from dist_ckpt.testing import enter_rank, free_port, rank_context, rank_environment
+from dist_ckpt.testing import enter_rank, held_store, join_store, rank_context, rank_environment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "scripts", "train_example.py")
@@ -55,6 +55,7 @@ def launch(root: str, *launcher_args: str, nproc: int = 2, script: str = EXAMPLE
 def _example_rank(rank: int, world: int, port: int, script_args: tuple[str, ...],
                   inherited: tuple[dict[str, str], str]) -> None:
     enter_rank(inherited)
+    join_store()  # as under torchrun, whose agent holds the store its workers rendezvous in
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -72,18 +73,20 @@ def reference(root: str, *script_args: str, nproc: int = 2, timeout: float = 180
     environment, cwd = rank_environment()
     environment = dict(environment, **env(), DIST_CKPT_ROOT=root,
                        **{runinfo.RUN_ID_ENV: f"reference-{os.getpid()}-{time.monotonic_ns()}"})
-    context, port = rank_context(), free_port()
-    ranks = [context.Process(target=_example_rank, args=(rank, nproc, port, script_args, (environment, cwd)))
-             for rank in range(nproc)]
-    for process in ranks:
-        process.start()
-    deadline = time.monotonic() + timeout
-    for process in ranks:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-            process.join(10)
+    context = rank_context()
+    with held_store(timeout) as port:
+        ranks = [context.Process(target=_example_rank,
+                                 args=(rank, nproc, port, script_args, (environment, cwd)))
+                 for rank in range(nproc)]
+        for process in ranks:
+            process.start()
+        deadline = time.monotonic() + timeout
+        for process in ranks:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(10)
     codes = [process.exitcode for process in ranks]
     assert codes == [0] * nproc, f"the reference run failed: exit codes {codes}"
 
