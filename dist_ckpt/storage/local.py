@@ -45,6 +45,26 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def makedirs_durable(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, and each directory it creates is made durable in
+    its parent (the parent fsynced, top down): a root created by the first save must survive a
+    power cut with the generations renamed into it, or a committed generation is lost with
+    its brand-new root's directory entry."""
+    missing = []
+    current = os.path.abspath(path)
+    while not os.path.isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    if not missing:
+        return
+    os.makedirs(path, exist_ok=True)
+    for created in reversed(missing):
+        fsync_dir(os.path.dirname(created))
+
+
 def write_durable(path: str, data: bytes) -> None:
     """Write a new file and fsync it (no rename: used inside a private pending directory)."""
     with open(path, "wb") as handle:

@@ -26,6 +26,7 @@ from ..config import CheckpointConfig
 from ..errors import ConfigError
 from ..protocol.comm import Comm
 from ..storage.directio import filesystem_type
+from ..storage.local import makedirs_durable
 from .base import CommitTier
 
 log = logs.get(__name__)
@@ -63,7 +64,7 @@ def check_root_groups(config: CheckpointConfig, groups: RootGroups) -> None:
 def place_tiers(comm: Comm, config: CheckpointConfig, root: CommitTier, target: CommitTier) -> RootGroups:
     """All ranks (collective): see the module docstring."""
     write_root = target.local_root
-    os.makedirs(write_root, exist_ok=True)
+    makedirs_durable(write_root)
     if comm.distributed:
         comm.probe_shared_root(write_root)
     target.local_ranks = frozenset(comm.fs_group)
@@ -85,7 +86,7 @@ def _root_groups(comm: Comm, root: CommitTier, target: CommitTier) -> RootGroups
     if root is target:
         leader = comm.fs_leader
     else:
-        os.makedirs(root.local_root, exist_ok=True)
+        makedirs_durable(root.local_root)
         group = _probe(comm, root.local_root)
         root.local_ranks = frozenset(group)
         leader = group[0]

@@ -246,3 +246,24 @@ def test_power_loss_row_fails_a_writer_without_directory_fsyncs(
     assert "fsyncdir" not in {kind for kind, _ in row.points}
     assert row.violations, "the power-loss row did not notice a writer that never fsyncs a directory"
     assert any(f"{GEN2} lost" in v for v in row.cuts[-1].violations), text
+
+
+@pytest.mark.timeout(60)
+def test_a_first_save_survives_a_cut_after_creating_its_root(tmp_path: Path) -> None:
+    """The first save creates the root (and a parent of it): once save() has returned, its
+    generation survives a power cut, directory entries of the new directories included."""
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    with PowerFS(backing) as fs:
+        state = gen_state(1)
+        with CheckpointManager(config(os.path.join(fs.mountpoint, "new", "root")), state) as mgr:
+            mgr.save(1)
+        fs.cut()
+    root = backing / "new" / "root"
+    assert root.is_dir(), f"the power cut lost the root the first save created: {sorted(os.listdir(backing))}"
+    validate(open_tier(str(root)).store, GEN1, digests=True)
+    restored = make_state()
+    with CheckpointManager(config(str(root)), restored) as mgr:
+        assert mgr.restore().generation == GEN1
+    assert all(torch.equal(restored.model.state_dict()[name], tensor)
+               for name, tensor in model_tensors(state).items())
