@@ -167,6 +167,22 @@ def test_ls_shows_own_and_referenced_bytes(roots, capsys) -> None:
         "GENERATION", "UPDATE", "BYTES", "SIZE", "STATE", "REASON"]
 
 
+def test_plan_counts_shared_objects_once(roots, capsys) -> None:
+    """``dist-ckpt plan`` on an incremental root: every kept generation's own bytes, the shared
+    objects once; on the same job saved in full, every generation whole."""
+    inc, full = roots["inc"], roots["full"]
+    shared, whole = sum(objects_of(inc, GEN2).values()), manifest(inc, GEN2)["total_bytes"]
+    plan = json_out(capsys, ["plan", inc, "--save-cost", "10s", "--keep-last", "3"])
+    assert plan["generation_bytes"] == whole and plan["shared_bytes"] == shared > whole // 2
+    assert plan["disk_bytes"] == (3 + 0 + 1) * (whole - shared) + shared
+    assert plan["kept_bytes"] == 3 * (whole - shared) + shared
+    plain = json_out(capsys, ["plan", full, "--save-cost", "10s", "--keep-last", "3"])
+    assert plain["shared_bytes"] == 0 and plain["disk_bytes"] == 4 * plain["generation_bytes"]
+    assert plan["disk_bytes"] < plain["disk_bytes"] // 2
+    assert cli(["plan", inc, "--save-cost", "10s", "--keep-last", "3"]) == 0
+    assert "shared objects once" in capsys.readouterr().out
+
+
 # ---- diff --------------------------------------------------------------------------------------
 def _differing(report: dict) -> set[str]:
     return {d["key"] for d in report["differences"] if d["component"] in ("model", "optimizer")}

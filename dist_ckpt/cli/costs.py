@@ -3,7 +3,11 @@ figures over a whole run, at the interval of the model in ``save/cadence.py``.
 
 Disk needed under one root: ``(keep_last + milestones) x generation + staging``, where the
 milestones are the multiples of ``keep_every`` within the run (an upper bound: it assumes a
-save lands on each multiple) and staging is one more generation, the save in flight.
+save lands on each multiple) and staging is one more generation, the save in flight. On an
+incremental root (docs/incremental.md) the shared objects a generation references are stored
+once, not once per generation: ``(keep_last + milestones + 1) x own + shared``, with ``own`` the
+generation's bytes below it and ``shared`` its referenced objects (it assumes the frozen part
+stays as it is over the run).
 
 Per-storage figures come from a user-supplied JSON file, the tiers file of ``--tiers`` (no
 prices are built in; they change)::
@@ -155,10 +159,11 @@ class CostEstimate:
     keep_every: int | None
     milestones: int
     generation_bytes: int | None
+    shared_bytes: int  # of generation_bytes: shared objects, stored once for every generation
     files_per_generation: int | None
-    kept_bytes: int | None  # keep_last generations
+    kept_bytes: int | None  # keep_last generations (their shared objects once)
     milestone_bytes: int | None
-    staging_bytes: int | None  # one more generation: the save in flight
+    staging_bytes: int | None  # one more generation's own bytes: the save in flight
     disk_bytes: int | None
     tiers: list[PriceEstimate] = field(default_factory=list)  # "tiers": the --json key users parse
     sources: dict[str, str] = field(default_factory=dict)
@@ -171,10 +176,11 @@ def _cost(count: float | None, price: float | None) -> float | None:
 
 def price_estimate(price: StoragePrice, *, generation_bytes: int | None, files_per_generation: int | None,
                    retained_generations: float, saves: float, restores: float,
-                   run_length_s: float) -> PriceEstimate:
+                   run_length_s: float, shared_bytes: int = 0) -> PriceEstimate:
     """Storage, requests and restore time of one storage class over the run."""
     size = generation_bytes
-    gb_months = None if size is None else retained_generations * size / GB * run_length_s / MONTH_S
+    gb_months = None if size is None else \
+        (retained_generations * (size - shared_bytes) + shared_bytes) / GB * run_length_s / MONTH_S
     puts = None if files_per_generation is None else files_per_generation * saves
     gets = None if files_per_generation is None else files_per_generation * restores
     restore_s = None if size is None else size / price.read_bytes_per_s
@@ -190,7 +196,7 @@ def estimate_costs(*, save_cost_s: float, mtbf_s: float, run_length_s: float,
                    step_time_s: float | None = None, generation_bytes: int | None = None,
                    files_per_generation: int | None = None, keep_last: int = 3,
                    keep_every: int | None = None, prices: Sequence[StoragePrice] = (),
-                   sources: dict[str, str] | None = None) -> CostEstimate:
+                   sources: dict[str, str] | None = None, shared_bytes: int = 0) -> CostEstimate:
     """Every figure of the estimate; ValueError naming the argument for a non-positive input."""
     check_positive("run_length_s", run_length_s)
     for name, count in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -198,11 +204,15 @@ def estimate_costs(*, save_cost_s: float, mtbf_s: float, run_length_s: float,
             raise ValueError(f"{name} must be at least 1, got {count}")
     if generation_bytes is not None and generation_bytes < 0:
         raise ValueError(f"generation_bytes must not be negative, got {generation_bytes}")
+    if not 0 <= shared_bytes <= (generation_bytes or 0):
+        raise ValueError(f"shared_bytes must be between 0 and generation_bytes ({generation_bytes}), "
+                         f"got {shared_bytes}")
     interval = t_star(save_cost_s, mtbf_s)
     run_updates = None if step_time_s is None else \
         math.floor(run_length_s / check_positive("step_time_s", step_time_s))
     milestones = run_updates // keep_every if run_updates is not None and keep_every else 0
     size = generation_bytes
+    own = None if size is None else size - shared_bytes
     estimate = CostEstimate(
         save_cost_s=save_cost_s, mtbf_s=mtbf_s, run_length_s=run_length_s, step_time_s=step_time_s,
         interval_s=interval,
@@ -211,16 +221,18 @@ def estimate_costs(*, save_cost_s: float, mtbf_s: float, run_length_s: float,
         lost_saving_fraction=save_cost_s / interval, lost_rework_fraction=interval / (2 * mtbf_s),
         saves=run_length_s / interval, restores=run_length_s / mtbf_s, run_updates=run_updates,
         keep_last=keep_last, keep_every=keep_every, milestones=milestones,
-        generation_bytes=size, files_per_generation=files_per_generation,
-        kept_bytes=None if size is None else keep_last * size,
-        milestone_bytes=None if size is None else milestones * size,
-        staging_bytes=size, disk_bytes=None if size is None else (keep_last + milestones + 1) * size,
+        generation_bytes=size, shared_bytes=shared_bytes, files_per_generation=files_per_generation,
+        kept_bytes=None if own is None else keep_last * own + shared_bytes,
+        milestone_bytes=None if own is None else milestones * own,
+        staging_bytes=own,
+        disk_bytes=None if own is None else (keep_last + milestones + 1) * own + shared_bytes,
         sources=dict(sources or {}))
     # milestones accrue evenly over the run, so on average half of them are stored
     retained = keep_last + milestones / 2
     estimate.tiers = [price_estimate(p, generation_bytes=size, files_per_generation=files_per_generation,
                                      retained_generations=retained, saves=estimate.saves,
-                                     restores=estimate.restores, run_length_s=run_length_s)
+                                     restores=estimate.restores, run_length_s=run_length_s,
+                                     shared_bytes=shared_bytes)
                       for p in prices]
     every = estimate.interval_updates
     if every and keep_every and keep_every % every:

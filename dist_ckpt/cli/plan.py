@@ -100,6 +100,14 @@ def plan_generation(given_bytes: int | None, newest: Manifest | None) -> tuple[i
     return newest.total_bytes, f"newest committed generation {newest.generation}"
 
 
+def plan_shared_bytes(given_bytes: int | None, newest: Manifest | None) -> int:
+    """The newest generation's shared objects (stored once however many generations are kept);
+    none when the size is given on the command line."""
+    if given_bytes is not None or newest is None:
+        return 0
+    return sum(entry.size for entry in newest.objects)
+
+
 def read_tiers_file(path: str | None) -> list[StoragePrice]:
     if path is None:
         return []
@@ -133,7 +141,8 @@ def build_estimate(args: argparse.Namespace, backend: Store) -> CostEstimate:
             run_length_s=args.run_length or 30 * 86400.0, step_time_s=step_time,
             generation_bytes=size, files_per_generation=None if newest is None else len(newest.files) + 1,
             keep_last=3 if args.keep_last is None else args.keep_last, keep_every=args.keep_every,
-            prices=read_tiers_file(args.tiers), sources=sources)
+            prices=read_tiers_file(args.tiers), sources=sources,
+            shared_bytes=plan_shared_bytes(args.generation_bytes, newest))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 
@@ -176,6 +185,18 @@ def plan_disk_lines(estimate: CostEstimate) -> list[str]:
     if estimate.generation_bytes is None or estimate.disk_bytes is None:
         return [f"disk needed      {estimate.sources['generation_bytes']}"]
     size, src = human_bytes(estimate.generation_bytes), estimate.sources
+    if estimate.shared_bytes:
+        own, shared = (human_bytes(estimate.generation_bytes - estimate.shared_bytes),
+                       human_bytes(estimate.shared_bytes))
+        return [
+            f"disk needed      {human_bytes(estimate.disk_bytes)} = ({estimate.keep_last} kept + "
+            f"{estimate.milestones} milestones + 1 staging) x {own} own + {shared} shared objects once",
+            f"  kept           {estimate.keep_last} newest generations (--keep-last) [{src['keep_last']}]",
+            f"  milestones     {milestone_line(estimate)}",
+            f"  generation     {size} = {estimate.generation_bytes} bytes [{src['generation_bytes']}], "
+            f"of which {shared} in shared objects (incremental: written once, referenced by each)",
+            "  staging        one more generation's own bytes: a save in flight",
+        ]
     return [
         f"disk needed      {human_bytes(estimate.disk_bytes)} = ({estimate.keep_last} kept + "
         f"{estimate.milestones} milestones) x {size} + {size} staging",
