@@ -25,7 +25,8 @@ def _describe(argv: list[str]) -> int:
         json.dump({"session": os.getsid(0), "pid": os.getpid(), "env": dict(os.environ), "fds": fds,
                    "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                    "sigpwr_default": signal.getsignal(signal.SIGPWR) == signal.SIG_DFL,
-                   "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler}, out)
+                   "sigint": getattr(signal.getsignal(signal.SIGINT), "__name__", None)
+                   or signal.Handlers(signal.getsignal(signal.SIGINT)).name}, out)
     os.rename(argv[0] + ".tmp", argv[0])
     return int(argv[1])
 
@@ -36,11 +37,17 @@ def _wait_for_sigterm(argv: list[str]) -> int:
     return 9
 
 
-def test_the_forked_agent_starts_as_a_fresh_process_would(tmp_path) -> None:
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])
+def test_the_forked_agent_starts_as_a_fresh_process_would(tmp_path, sigint: str) -> None:
+    """SIGINT as an interpreter started here would have it: KeyboardInterrupt after the
+    launcher's own handler, but still ignored where the launcher inherited it ignored (a job
+    started in the background by a non-interactive shell: an interpreter keeps SIG_IGN)."""
     report = str(tmp_path / "report.json")
     held = open(tmp_path / "lock", "w")  # as the launcher's memory-directory lock
     # as the launcher's handlers: its own, and a --preempt-signal of the user's choice
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGPWR)}
+    previous[signal.SIGINT] = signal.signal(
+        signal.SIGINT, (lambda *_: None) if sigint == "handled" else signal.SIG_IGN)
     try:
         agent = AgentProcess([report, "3"], {"ONLY": "this"}, target=_describe)
         assert agent.wait(timeout=60) == 3 and agent.returncode == 3 and agent.poll() == 3
@@ -52,7 +59,8 @@ def test_the_forked_agent_starts_as_a_fresh_process_would(tmp_path) -> None:
     assert seen["session"] == seen["pid"] == agent.pid  # its own session: ended as a group
     assert seen["env"] == {"ONLY": "this"}
     assert seen["fds"] == [0, 1, 2, 3]  # stdin, stdout, stderr, and the listing's own
-    assert seen["sigterm_default"] and seen["sigpwr_default"] and seen["sigint_default"]
+    assert seen["sigterm_default"] and seen["sigpwr_default"]
+    assert seen["sigint"] == ("default_int_handler" if sigint == "handled" else "SIG_IGN")
 
 
 def _exit(argv: list[str]) -> int:
