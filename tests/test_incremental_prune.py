@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dist_ckpt import faults
+from dist_ckpt.cli.app import main as cli_main
 from dist_ckpt.format.manifest import MANIFEST_NAME, generation_name
 from dist_ckpt.format.objects import ASIDE_PREFIX, Candidate, plan_sweep, recover_aside, remove_object
 from dist_ckpt.ops.retention import prune
@@ -199,17 +200,18 @@ def test_plan_sweep_of_a_root_without_objects(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_cli_prune_on_a_root_with_objects(root: str, template) -> None:
+def test_cli_prune_on_a_root_with_objects(root: str, template, capsys: pytest.CaptureFixture) -> None:
     only_old, new, _ = layout(root)
     env = dict(os.environ, PYTHONPATH=REPO)
-    cli = [sys.executable, "-m", "dist_ckpt.cli", "prune", root, "--keep-last", "2"]
-    dry = subprocess.run([*cli, "--dry-run", "--json"], env=env, timeout=120, capture_output=True,
-                         text=True)
-    assert dry.returncode == 0, dry.stderr
-    assert json.loads(dry.stdout)["generations"] == [G(2), G(1)]
-    assert json.loads(dry.stdout)["objects"] == sorted(only_old)
+    args = ["prune", root, "--keep-last", "2"]
+    capsys.readouterr()
+    assert cli_main([*args, "--dry-run", "--json"]) == 0  # in-process: one interpreter is enough
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["generations"] == [G(2), G(1)]
+    assert dry["objects"] == sorted(only_old)
     assert objects_on_disk(root) == only_old | new  # a dry run deletes nothing
-    done = subprocess.run(cli, env=env, timeout=120, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "dist_ckpt.cli", *args], env=env, timeout=120,
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert f"removed generation: {G(1)}" in done.stdout
     assert all(f"removed object: {path}" in done.stdout for path in only_old)
