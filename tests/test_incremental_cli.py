@@ -167,7 +167,7 @@ def test_ls_shows_own_and_referenced_bytes(roots, capsys) -> None:
         "GENERATION", "UPDATE", "BYTES", "SIZE", "STATE", "REASON"]
 
 
-def test_plan_counts_shared_objects_once(roots, capsys) -> None:
+def test_plan_counts_shared_objects_once(roots, capsys, tmp_path) -> None:
     """``dist-ckpt plan`` on an incremental root: every kept generation's own bytes, the shared
     objects once; on the same job saved in full, every generation whole."""
     inc, full = roots["inc"], roots["full"]
@@ -181,6 +181,15 @@ def test_plan_counts_shared_objects_once(roots, capsys) -> None:
     assert plan["disk_bytes"] < plain["disk_bytes"] // 2
     assert cli(["plan", inc, "--save-cost", "10s", "--keep-last", "3"]) == 0
     assert "shared objects once" in capsys.readouterr().out
+    # a save puts its own files and the manifest, a restore gets every file
+    tiers = tmp_path / "tiers.json"
+    tiers.write_text(json.dumps({"tiers": [{"name": "s3", "read_bytes_per_s": 1e9,
+                                            "usd_per_1000_put": 0.005, "usd_per_1000_get": 0.0004}]}))
+    priced = json_out(capsys, ["plan", inc, "--save-cost", "10s", "--tiers", str(tiers)])
+    files, objects = len(manifest(inc, GEN2)["files"]) + 1, len(objects_of(inc, GEN2))
+    assert priced["files_per_generation"] == files and objects == 4
+    assert priced["tiers"][0]["put_requests"] == pytest.approx((files - objects) * priced["saves"])
+    assert priced["tiers"][0]["get_requests"] == pytest.approx(files * priced["restores"])
 
 
 # ---- diff --------------------------------------------------------------------------------------

@@ -176,12 +176,14 @@ def _cost(count: float | None, price: float | None) -> float | None:
 
 def price_estimate(price: StoragePrice, *, generation_bytes: int | None, files_per_generation: int | None,
                    retained_generations: float, saves: float, restores: float,
-                   run_length_s: float, shared_bytes: int = 0) -> PriceEstimate:
-    """Storage, requests and restore time of one storage class over the run."""
+                   run_length_s: float, shared_bytes: int = 0, shared_files: int = 0) -> PriceEstimate:
+    """Storage, requests and restore time of one storage class over the run (a save puts
+    its own files only: the shared objects it references are there already; a restore gets
+    them all)."""
     size = generation_bytes
     gb_months = None if size is None else \
         (retained_generations * (size - shared_bytes) + shared_bytes) / GB * run_length_s / MONTH_S
-    puts = None if files_per_generation is None else files_per_generation * saves
+    puts = None if files_per_generation is None else (files_per_generation - shared_files) * saves
     gets = None if files_per_generation is None else files_per_generation * restores
     restore_s = None if size is None else size / price.read_bytes_per_s
     costs = {"storage_usd": _cost(gb_months, price.usd_per_gb_month),
@@ -196,7 +198,8 @@ def estimate_costs(*, save_cost_s: float, mtbf_s: float, run_length_s: float,
                    step_time_s: float | None = None, generation_bytes: int | None = None,
                    files_per_generation: int | None = None, keep_last: int = 3,
                    keep_every: int | None = None, prices: Sequence[StoragePrice] = (),
-                   sources: dict[str, str] | None = None, shared_bytes: int = 0) -> CostEstimate:
+                   sources: dict[str, str] | None = None, shared_bytes: int = 0,
+                   shared_files: int = 0) -> CostEstimate:
     """Every figure of the estimate; ValueError naming the argument for a non-positive input."""
     check_positive("run_length_s", run_length_s)
     for name, count in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -204,6 +207,9 @@ def estimate_costs(*, save_cost_s: float, mtbf_s: float, run_length_s: float,
             raise ValueError(f"{name} must be at least 1, got {count}")
     if generation_bytes is not None and generation_bytes < 0:
         raise ValueError(f"generation_bytes must not be negative, got {generation_bytes}")
+    if not 0 <= shared_files <= (files_per_generation or 0):
+        raise ValueError(f"shared_files must be between 0 and files_per_generation "
+                         f"({files_per_generation}), got {shared_files}")
     if not 0 <= shared_bytes <= (generation_bytes or 0):
         raise ValueError(f"shared_bytes must be between 0 and generation_bytes ({generation_bytes}), "
                          f"got {shared_bytes}")
@@ -232,7 +238,7 @@ def estimate_costs(*, save_cost_s: float, mtbf_s: float, run_length_s: float,
     estimate.tiers = [price_estimate(p, generation_bytes=size, files_per_generation=files_per_generation,
                                      retained_generations=retained, saves=estimate.saves,
                                      restores=estimate.restores, run_length_s=run_length_s,
-                                     shared_bytes=shared_bytes)
+                                     shared_bytes=shared_bytes, shared_files=shared_files)
                       for p in prices]
     every = estimate.interval_updates
     if every and keep_every and keep_every % every:

@@ -142,7 +142,8 @@ def build_estimate(args: argparse.Namespace, backend: Store) -> CostEstimate:
             generation_bytes=size, files_per_generation=None if newest is None else len(newest.files) + 1,
             keep_last=3 if args.keep_last is None else args.keep_last, keep_every=args.keep_every,
             prices=read_tiers_file(args.tiers), sources=sources,
-            shared_bytes=plan_shared_bytes(args.generation_bytes, newest))
+            shared_bytes=plan_shared_bytes(args.generation_bytes, newest),
+            shared_files=0 if newest is None else len(newest.objects))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 
