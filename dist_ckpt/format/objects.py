@@ -29,7 +29,7 @@ from pydantic import ValidationError as PydanticValidationError
 from .. import faults, logs
 from ..errors import DistCkptError, StorageError
 from ..storage.base import Store, StoreReader, read_bounded
-from ..storage.local import fsync_dir
+from ..storage.local import fsync_dir, makedirs_durable
 from .manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -63,9 +63,7 @@ def install_objects(pending: str, root: str) -> list[str]:
     if not moved:
         return []
     target = os.path.join(root, OBJECTS_DIR)
-    if not os.path.isdir(target):
-        os.makedirs(target, exist_ok=True)
-        fsync_dir(root)  # the new objects/ entry itself is durable, not only its contents
+    makedirs_durable(target)  # a new objects/ entry itself is durable, not only its contents
     for path in moved:
         os.replace(os.path.join(pending, path), os.path.join(root, path))
         faults.hit("commit.object_installed", 0)

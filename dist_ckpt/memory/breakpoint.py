@@ -51,7 +51,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest, is_object_path, parse_gen
 from ..format.objects import holds_object, install_objects
 from ..format.signing import SIGNATURE_NAME, key_from_env
 from ..format.validate import check_sizes, check_structure, list_generations, move_latest
-from ..storage.local import LocalStore, fsync_dir, open_regular, write_durable
+from ..storage.local import LocalStore, fsync_dir, makedirs_durable, open_regular, write_durable
 
 LOCK_NAME = ".breakpoint.lock"
 
@@ -120,9 +120,10 @@ class _Done:
 
 def _publish(memory_root: str, root: str, generation: str, manifest: Manifest, raw: bytes,
              files: list[str]) -> _Done:
-    os.makedirs(root, exist_ok=True)
+    makedirs_durable(root)  # a root this creates must outlive a power cut with what it holds
+    disk = LocalStore(root)
     whole = len(files) == len(manifest.files)
-    node_copy = not whole and _node_local(LocalStore(root))
+    node_copy = not whole and _node_local(disk)
     if whole or node_copy:
         pending = os.path.join(root, pending_dir_name(generation, uuid.uuid4().hex[:8]))
         try:
@@ -140,7 +141,7 @@ def _publish(memory_root: str, root: str, generation: str, manifest: Manifest, r
         fcntl.flock(fd, fcntl.LOCK_EX)
         _copy(memory_root, pending, generation, manifest, files, keep_present=True)
         there = sum(os.path.exists(os.path.join(pending, f.path))
-                    or (is_object_path(f.path) and holds_object(LocalStore(root), f))
+                    or (is_object_path(f.path) and holds_object(disk, f))
                     for f in manifest.files)
         if there < len(manifest.files):
             return _Done(False, f"persisted this node's part of {generation} from memory to "
