@@ -186,26 +186,21 @@ def plan_disk_lines(estimate: CostEstimate) -> list[str]:
     if estimate.generation_bytes is None or estimate.disk_bytes is None:
         return [f"disk needed      {estimate.sources['generation_bytes']}"]
     size, src = human_bytes(estimate.generation_bytes), estimate.sources
+    total, kept = human_bytes(estimate.disk_bytes), estimate.keep_last
+    generation = f"  generation     {size} = {estimate.generation_bytes} bytes [{src['generation_bytes']}]"
     if estimate.shared_bytes:
         own, shared = (human_bytes(estimate.generation_bytes - estimate.shared_bytes),
                        human_bytes(estimate.shared_bytes))
-        return [
-            f"disk needed      {human_bytes(estimate.disk_bytes)} = ({estimate.keep_last} kept + "
-            f"{estimate.milestones} milestones + 1 staging) x {own} own + {shared} shared objects once",
-            f"  kept           {estimate.keep_last} newest generations (--keep-last) [{src['keep_last']}]",
-            f"  milestones     {milestone_line(estimate)}",
-            f"  generation     {size} = {estimate.generation_bytes} bytes [{src['generation_bytes']}], "
-            f"of which {shared} in shared objects (incremental: written once, referenced by each)",
-            "  staging        one more generation's own bytes: a save in flight",
-        ]
-    return [
-        f"disk needed      {human_bytes(estimate.disk_bytes)} = ({estimate.keep_last} kept + "
-        f"{estimate.milestones} milestones) x {size} + {size} staging",
-        f"  kept           {estimate.keep_last} newest generations (--keep-last) [{src['keep_last']}]",
-        f"  milestones     {milestone_line(estimate)}",
-        f"  generation     {size} = {estimate.generation_bytes} bytes [{src['generation_bytes']}]",
-        "  staging        one more generation: a save in flight",
-    ]
+        head = (f"disk needed      {total} = ({kept} kept + {estimate.milestones} milestones + 1 staging) "
+                f"x {own} own + {shared} shared objects once")
+        generation += f", of which {shared} in shared objects (incremental: written once, referenced by each)"
+        staging = "  staging        one more generation's own bytes: a save in flight"
+    else:
+        head = (f"disk needed      {total} = ({kept} kept + {estimate.milestones} milestones) x {size} "
+                f"+ {size} staging")
+        staging = "  staging        one more generation: a save in flight"
+    return [head, f"  kept           {kept} newest generations (--keep-last) [{src['keep_last']}]",
+            f"  milestones     {milestone_line(estimate)}", generation, staging]
 
 
 def usd(amount: float) -> str:
