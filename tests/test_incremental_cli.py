@@ -18,6 +18,7 @@ from dist_ckpt.format.manifest import OBJECTS_DIR, is_object_path
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import run_ranks
 from tests.helpers import finetune_jobs
+from tests.helpers.incremental_tiers import manifest, objects_of
 
 GEN1, GEN2 = "gen-000000000001", "gen-000000000002"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,15 +36,6 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     run_ranks(2, finetune_jobs.run, "fsdp", found["inc"], [1, 2])
     run_ranks(2, finetune_jobs.run, "fsdp", found["full"], [1, 2], {"incremental": False})
     return found
-
-
-def manifest(root: str, generation: str) -> dict:
-    with open(os.path.join(root, generation, "manifest.json"), encoding="utf-8") as handle:
-        return json.load(handle)
-
-
-def objects_of(root: str, generation: str) -> dict[str, int]:
-    return {f["path"]: f["size"] for f in manifest(root, generation)["files"] if is_object_path(f["path"])}
 
 
 @pytest.fixture

@@ -62,8 +62,8 @@ class Ranks:
     def __init__(self, world: int, fn: Callable, args: tuple, timeout_s: float) -> None:
         self.out_dir = tempfile.mkdtemp(prefix="killable-")
         context = rank_context()
-        self.store = ExitStack()  # listening until join: a killed rank 0 does not take it along
-        port, inherited = self.store.enter_context(held_store(timeout_s)), rank_environment()
+        self.rendezvous = ExitStack()  # listening until join: a killed rank 0 does not take it along
+        port, inherited = self.rendezvous.enter_context(held_store(timeout_s)), rank_environment()
         self.processes = [context.Process(target=_entry, args=(rank, world, port, self.out_dir, fn, args,
                                                                 timeout_s, inherited), daemon=False)
                           for rank in range(world)]
@@ -100,7 +100,7 @@ class Ranks:
                     result = pickle.load(handle)
             outcomes.append(Outcome(process.exitcode, result))
         shutil.rmtree(self.out_dir, ignore_errors=True)  # every rank has exited: nothing writes there
-        self.store.close()
+        self.rendezvous.close()
         return outcomes
 
 
