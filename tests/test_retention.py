@@ -93,3 +93,31 @@ def test_pins_reach_the_mirror(s3_root: str, tmp_path) -> None:
     with CheckpointManager(CheckpointConfig(root=s3_root), make_state()) as mgr:
         assert [g.name for g in mgr.generations() if g.state == "committed"] == [
             "gen-000000000003", "gen-000000000001"]
+
+
+def test_a_job_prune_takes_a_generation_out_at_once_and_deletes_its_files_later(tmp_path) -> None:
+    # issue 37: wait() settles retention; deleting a large generation's files is the kernel's
+    # slow part, so the job's pass renames the generation to a pending name (no generation any
+    # more, as a crash's leftover attempt) and hands the deletion to a thread nobody waits for
+    from dist_ckpt.ops import retention
+    from dist_ckpt.tiers import open_tier
+
+    root = str(tmp_path)
+    state = make_state()
+    with CheckpointManager(CheckpointConfig(root=root), state) as mgr:
+        for update in (1, 2, 3):
+            step(state)
+            mgr.save(update)
+    deferred: list = []
+    plan = retention.prune(open_tier(root), keep_last=1, defer=deferred.append)
+    assert sorted(plan.generations) == ["gen-000000000001", "gen-000000000002"]
+    assert committed(root) == [3] and len(deferred) == 2
+    aside = sorted(n for n in os.listdir(root) if n.startswith(".pending-"))
+    assert [n.split("-pruned-")[0] for n in aside] == [
+        ".pending-gen-000000000001", ".pending-gen-000000000002"]
+    assert not any(os.path.exists(os.path.join(root, n, "manifest.json")) for n in aside)
+    for discard in deferred:
+        discard()
+    assert not any(n.startswith(".pending-") for n in os.listdir(root))
+    with CheckpointManager(CheckpointConfig(root=root), make_state()) as mgr:
+        assert mgr.restore().generation == "gen-000000000003"

@@ -37,16 +37,24 @@ class Pruner:
         self.memory = memory
         self.replayer: Replays | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-prune")
+        # the files of generations a pass already took out of the root (renamed to a pending
+        # name): deleted here, so that settle() need not wait for the kernel to free them
+        self._discard = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-discard")
 
     def submit(self) -> None:
         self._thread.submit(self.prune_local)
 
     def settle(self) -> None:
-        """Return once every pass queued before this call has run."""
-        self._thread.submit(lambda: None).result()
+        """Return once every pass queued before this call has run (the generations it
+        removed are gone from the root; their files may still be being deleted)."""
+        try:
+            self._thread.submit(lambda: None).result()
+        except RuntimeError:  # at interpreter exit the executors take nothing new: nothing queued runs
+            log.warning("retention passes not settled: the interpreter is shutting down")
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+        self._discard.shutdown(wait=True)
 
     def prune_local(self) -> None:
         """Local retention; generations still waiting for their replay are kept (a corrupt
@@ -72,7 +80,8 @@ class Pruner:
         pinned = frozenset(self.replayer.pending()) if self.replayer is not None else frozenset()
         pinned |= self.ctx.comm.read_names(PINS_KEY)
         retention.prune(root, keep_last=config.keep_last, keep_every=config.keep_every,
-                        pinned=pinned, key=config.signing_key, committed=committed)
+                        pinned=pinned, key=config.signing_key, committed=committed,
+                        defer=self._discard.submit)
 
     def prune_destination(self) -> None:
         """Rank 0's replay thread, after each completed copy into the mirror; pins live in the

@@ -8,12 +8,24 @@ live in ``ROOT/pins.json`` (name -> label, written by ``dist-ckpt pin`` or
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import faults, logs
 from ..errors import StorageError, ValidationError
-from ..format.manifest import MANIFEST_NAME, Manifest, check_generation_name, parse_generation
+from ..format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    check_generation_name,
+    is_object_path,
+    parse_generation,
+    pending_dir_name,
+)
 from ..format.objects import Candidate, plan_sweep, recover_aside, remove_object
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import list_generations, read_manifest
@@ -111,6 +123,7 @@ class PrunePlan:
     incomplete: list[str] = field(default_factory=list)  # no manifest, older than the newest committed
     orphans: list[str] = field(default_factory=list)  # attempt directories no manifest references
     objects: list[str] = field(default_factory=list)  # shared objects no kept generation references
+    object_copies: list[str] = field(default_factory=list)  # their second copies (objects-copy/)
     multipart_aborted: int = 0
 
 
@@ -165,10 +178,12 @@ def plan_prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | Non
 
 def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = None,
           pinned: frozenset[str] = frozenset(), key: bytes | None = None,
-          committed: list[str] | None = None, dry_run: bool = False) -> PrunePlan:
+          committed: list[str] | None = None, dry_run: bool = False,
+          defer: Callable[[Callable[[], None]], Any] | None = None) -> PrunePlan:
     """Delete what :func:`plan_prune` lists (call only after the newest generation validated);
     a deletion that fails is logged and the rest go on. Then the sweep: the shared objects no
-    manifest under the root references any more (mark and sweep, ``format/objects.py``).
+    manifest under the root references any more (mark and sweep, ``format/objects.py``), and
+    their second copies (``objects-copy/``, reported in ``object_copies``).
 
     Order, each step safe to die after: each generation's manifest, then its files
     (``prune.manifest_removed``, ``prune.between``); only then the sweep, which lists the
@@ -177,17 +192,22 @@ def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = N
     ``prune.object_removed``). A kill before the sweep leaves unreferenced objects the next
     prune removes; a kill inside it leaves at most one aside file, which the next sweep puts
     back or deletes. ``dry_run``: ``objects`` lists what the sweep would remove once the
-    listed generations are gone; nothing is touched."""
+    listed generations are gone; nothing is touched. ``defer`` (a job's pruner): on a local
+    root, a generation whose manifest is gone is renamed to a pending name at once (it is no
+    generation any more) and ``defer`` gets the deletion of its files, so the caller need not
+    wait for it; a crash before that deletion leaves a pending directory, which the next
+    start removes like any other."""
     plan = plan_prune(tier, keep_last=keep_last, keep_every=keep_every, pinned=pinned, key=key,
                       committed=committed)
     if dry_run:
         dropping = frozenset(plan.generations + plan.incomplete)
-        plan.objects = [c.path for c in _sweep_plan(tier, dropping)]
+        for candidate in _sweep_plan(tier, dropping):
+            _swept_list(plan, candidate.path).append(candidate.path)
         return plan
     for rel in plan.generations + plan.incomplete + plan.orphans:
         try:
             plan.multipart_aborted += tier.store.abort_uploads(rel)
-            _remove(tier.store, rel)
+            _remove(tier.store, rel, defer)
             faults.hit("prune.between")
         except OSError as exc:
             log.warning("could not prune %s: %s", rel, exc)
@@ -203,11 +223,16 @@ def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = N
     for candidate in candidates:
         try:
             if remove_object(tier.store, candidate):
-                plan.objects.append(candidate.path)
+                _swept_list(plan, candidate.path).append(candidate.path)
                 faults.hit("prune.object_removed")
         except OSError as exc:
             log.warning("could not prune %s: %s", candidate.path, exc)
     return plan
+
+
+def _swept_list(plan: PrunePlan, path: str) -> list[str]:
+    """Where a swept path is reported: an object, or an object's second copy."""
+    return plan.objects if is_object_path(path) else plan.object_copies
 
 
 def _sweep_plan(tier: CommitTier, dropping: frozenset[str]) -> list[Candidate]:
@@ -218,13 +243,31 @@ def _sweep_plan(tier: CommitTier, dropping: frozenset[str]) -> list[Candidate]:
         return []
 
 
-def _remove(store: Store, rel: str) -> None:
+def _remove(store: Store, rel: str, defer: Callable[[Callable[[], None]], Any] | None = None) -> None:
     """Remove a generation's manifest first: a deletion cut short leaves an uncommitted
-    directory, never a committed generation with missing files."""
+    directory, never a committed generation with missing files. With ``defer`` on a local
+    store the rest is renamed aside and deleted by ``defer``'s thread (deleting a large
+    generation's files takes the kernel a while; nobody needs to wait for it)."""
     if "/" not in rel:
         try:
             store.remove_tree(f"{rel}/{MANIFEST_NAME}")
         except FileNotFoundError:
             pass
         faults.hit("prune.manifest_removed")  # half-deleted: no manifest, files remain
+        local_path = getattr(store, "local_path", None)
+        if defer is not None and local_path is not None:
+            aside = pending_dir_name(rel, f"pruned-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(local_path(rel), local_path(aside))
+            except FileNotFoundError:
+                return
+            defer(functools.partial(_remove_quietly, store, aside))
+            return
     store.remove_tree(rel)
+
+
+def _remove_quietly(store: Store, rel: str) -> None:
+    try:
+        store.remove_tree(rel)
+    except OSError as exc:  # a pending directory: the next start removes what is left
+        log.warning("could not remove %s: %s", rel, exc)

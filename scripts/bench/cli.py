@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any
 
-from . import compare_report, jobs, report
+from . import baseline, compare_report, jobs, report
+from .compare_methods import ORDER
 from .cpu_profile import format_profile
 from .heartbeat import print_costs
 from .runner import PHASES, run_all
@@ -22,12 +24,17 @@ Usage (from the repository root):
                                          [--phases P,...] [--compare] [--steps N] [--lost-pairs N]
                                          [--allocator caching|glibc] [--profile-cpu]
                                          [--job full|finetune] [--kind fsdp|ddp] [--no-mirror]
+                                         [--baseline PATH] [--write-baseline PATH]
 
 Phases (default: all): saves, restore (needs saves), interference, memory, commit_scale,
 heartbeat (the cost of a progress call with nothing pending), compare (dist_ckpt side by side
 with raw DCP save / async_save / async_save with async staging; with --job finetune: our
 incremental save, our incremental=False save and raw DCP async_save, plus the mirror bytes
 uploaded to a moto S3 server the run starts, and issue 28's targets).
+
+The compare phase also prints each median beside its ratio to the stored baseline of the same
+job, kind and size (scripts/bench/baselines/; scripts/bench/baseline.py) and names every cell
+worse than the baseline beyond noise.
 
 Phases and targets: see the docstring of scripts/bench/__init__.py. Not a test.
 """
@@ -62,6 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="compare: FSDP2 (default) or DDP")
     parser.add_argument("--no-mirror", action="store_true",
                         help="compare, finetune job: leave out the mirror-bytes row (no moto S3 server)")
+    parser.add_argument("--restore-cache", choices=("cold", "warm"), default="cold",
+                        help="compare: restores with the generation's files dropped from the page cache "
+                             "before each (cold, default: what a restarted job sees) or kept (warm)")
+    parser.add_argument("--baseline", default=None,
+                        help="compare: the stored baseline to print ratios against (default: "
+                             "scripts/bench/baselines/compare-<job>-<kind>-<MiB>.json)")
+    parser.add_argument("--write-baseline", default=None, metavar="PATH",
+                        help="compare: store this run's medians as a baseline at PATH")
     parser.add_argument("--profile-cpu", action="store_true",
                         help="compare: per-thread CPU split (and py-spy stacks if installed) of one "
                              "dist_ckpt async save on rank 0")
@@ -103,12 +118,25 @@ def print_header(args: argparse.Namespace, raw: dict[str, Any], walls: dict[str,
         print(f"interference: {len(steps)} async saves, train steps run while each was in flight: {steps}")
 
 
+def against_baseline(args: argparse.Namespace, cfg: dict[str, Any], table: Any, info: dict[str, Any],
+                     doc: dict[str, Any]) -> None:
+    """The compare table beside the stored baseline's (``baseline.py``); ``--write-baseline``."""
+    path = args.baseline or baseline.default_path(cfg)
+    names = [name for name in ORDER if name in info["methods"]]
+    doc["compare"]["worse_than_baseline"] = baseline.print_against(
+        table, names, baseline.load(path), path, jobs.machine())
+    if args.write_baseline:
+        baseline.write(args.write_baseline, baseline.record(
+            table, cfg, commit=baseline.head_commit(), machine=jobs.machine(), command=doc["command"]))
+        print(f"wrote the baseline {args.write_baseline}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = {"state_mib": args.state_mib, "repeats": args.repeats, "profile": args.profile,
            "phases": args.phases, "steps": args.steps, "profile_cpu": args.profile_cpu,
            "lost_pairs": args.lost_pairs, "allocator": args.allocator, "job": args.job,
-           "kind": args.kind, "mirror": not args.no_mirror}
+           "kind": args.kind, "mirror": not args.no_mirror, "restore_cache": args.restore_cache}
     started = time.perf_counter()
     walls: dict[str, float] = {}
     base = tempfile.mkdtemp(prefix="bench-", dir=args.dir)
@@ -125,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, text in raw["profiles"].items():
         print(f"\n---- cProfile: {name} ----\n{text}")
     doc = report.document(raw, cfg, walls, rows, ratio_values)
+    doc["command"] = "python -m scripts.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     if "heartbeat" in raw:
         print_costs(raw["heartbeat"])
         doc["heartbeat_us"] = raw["heartbeat"]
@@ -132,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         table, targets, info, issue28 = compare_report.analyse(raw["compare"], cfg)
         compare_report.print_compare(table, targets, info, issue28)
         doc["compare"] = compare_report.document(raw["compare"], table, targets, info, issue28)
+        against_baseline(args, cfg, table, info, doc)
         if doc["compare"]["profile_cpu"]:
             print(f"\n---- CPU profile: one dist_ckpt async eager save, rank 0 ----\n"
                   f"{format_profile(doc['compare']['profile_cpu'])}")

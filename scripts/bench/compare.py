@@ -15,9 +15,10 @@ method order reversed every other round, each method's measurements back to back
 
 Then, on the newest generation the sync manager committed: verified ``restore()`` against an
 unverified ``dcp.load`` of that generation's ``dcp/`` directory (plus ``set_state_dict``, which
-``restore()`` does too), alternated, both after one unmeasured warm-up each and with nothing
-dropped from the page cache (same conditions for both). A second, 3-rank run does the same on
-the 2-rank generation (reshard).
+``restore()`` does too), alternated, both after one unmeasured warm-up each; by default cold
+(``--restore-cache cold``: the generation's files dropped from the page cache before each call,
+as a restarted job finds them), or warm (nothing dropped), the same conditions for both. A
+second, 3-rank run does the same on the 2-rank generation (reshard).
 
 Both jobs also measure the physical floor of a save's CPU (``floor_series``): one copy of the
 rank's tensors into preallocated buffers plus one BLAKE3 pass (one thread, the library's
@@ -229,13 +230,30 @@ def dcp_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def evict(directory: str) -> None:
+    """Drop every file below ``directory`` from the page cache (``POSIX_FADV_DONTNEED``; the
+    files are written and fsynced, so nothing dirty is left to keep): the next read is cold,
+    as a restarted job's is."""
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def measure_restore(mgr: CheckpointManager, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    path: str, group: dist.ProcessGroup | None, repeats: int) -> dict[str, list[float]]:
-    """Verified ``restore()`` vs unverified ``dcp.load`` of the same files, alternated, warm."""
+                    path: str, group: dist.ProcessGroup | None, repeats: int,
+                    cold: bool = True) -> dict[str, list[float]]:
+    """Verified ``restore()`` vs unverified ``dcp.load`` of the same files, alternated; with
+    ``cold``, the generation's files are dropped from the page cache before each (untimed)."""
     def load() -> None:
         dcp_load(model, optimizer, path, group)
 
-    return time_restores({"verified": mgr.restore, "dcp_load": load}, repeats)
+    generation_dir = os.path.dirname(os.path.normpath(path))
+    return time_restores({"verified": mgr.restore, "dcp_load": load}, repeats,
+                         before=(lambda: evict(generation_dir)) if cold else None)
 
 
 def time_restores(steps: dict[str, Callable[[], Any]], repeats: int,
@@ -394,7 +412,8 @@ def rank_compare(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[
             out["small_state_bytes"] = small_state_bytes(kept.root)
         else:
             out["restore"] = measure_restore(kept.mgr, model, optimizer, generation_dcp_dir(kept.root)[1],
-                                             job.group, cfg["repeats"])
+                                             job.group, cfg["repeats"],
+                                             cold=cfg.get("restore_cache") != "warm")
             out["restore_columns"] = {"verified": OUR_SYNC, "dcp_load": DCP_SYNC}
         out["generation"] = generation_dcp_dir(kept.root)[0]
         walls["restore"] = time.perf_counter() - started
@@ -426,7 +445,8 @@ def rank_compare_reshard(rank: int, world: int, cfg: dict[str, Any], root: str) 
                                                    cfg.get("job", "full"))
     generation, dcp_dir = generation_dcp_dir(root)
     with CheckpointManager(CheckpointConfig(root=root), state) as mgr:
-        times = measure_restore(mgr, model, optimizer, dcp_dir, None, cfg["repeats"])
+        times = measure_restore(mgr, model, optimizer, dcp_dir, None, cfg["repeats"],
+                                cold=cfg.get("restore_cache") != "warm")
     columns = {"verified": OUR_EAGER, "dcp_load": DCP_ASYNC} if cfg.get("job") == "finetune" else \
         {"verified": OUR_SYNC, "dcp_load": DCP_SYNC}
     return {"rank": rank, "generation": generation, "restore": times, "restore_columns": columns}

@@ -128,9 +128,12 @@ class OurSave(Method):
         self.mgr.close()
 
     def written_bytes(self) -> int:
-        from dist_ckpt.format.manifest import OBJECTS_DIR, generation_name
+        from dist_ckpt.format import manifest
 
-        objects = file_sizes(os.path.join(self.root, OBJECTS_DIR))
+        # a library from before shared objects (a baseline commit) has no OBJECTS_DIR
+        objects_dir = getattr(manifest, "OBJECTS_DIR", None)
+        generation_name = manifest.generation_name
+        objects = file_sizes(os.path.join(self.root, objects_dir)) if objects_dir else {}
         new = sum(size for name, size in objects.items() if name not in self.objects_seen)
         self.objects_seen = set(objects)
         return tree_bytes(os.path.join(self.root, generation_name(self.update))) + new

@@ -247,7 +247,9 @@ def print_compare(table: Cells, ratio_values: dict[str, dict[str, Any]], info: d
           f"{'DDP' if info.get('kind') == 'ddp' else 'FSDP2'}, {info['repeats']} "
           f"repetitions, time lost over {info['steps']} train steps (idle {info['steps_s']:.3f} s) in "
           f"{info['lost_pairs']} pairs; "
-          f"medians of the slowest rank; restores warm (page cache kept for both)")
+          f"medians of the slowest rank; restores {info.get('restore_cache', 'warm')} ("
+          + ("files dropped from the page cache before each" if info.get("restore_cache") == "cold"
+             else "page cache kept for both") + ")")
     if OUR_LAZY not in names and not finetune:
         print("  (no dist_ckpt lazy column: CheckpointConfig has no `snapshot` field yet)")
     long = FINETUNE_LONG if finetune else {}
@@ -333,6 +335,7 @@ def analyse(raw: dict[str, Any], cfg: dict[str, Any]
             "lost_pairs": len(table[LOST][first["methods"][0]]),
             "lost_quartiles": {name: quartiles(values) for name, values in table[LOST].items()},
             "allocator": cfg.get("allocator", "glibc default"),
+            "restore_cache": cfg.get("restore_cache", "warm"),
             "state_bytes": first["state_bytes"], "generation": first["generation"],
             "job": cfg.get("job", "full"), "kind": cfg.get("kind", "fsdp"),
             "trainable_bytes": sum(r["trainable_bytes"] for r in ranks),
