@@ -134,6 +134,14 @@ class CheckpointConfig(BaseModel):
         default=0, ge=0,
         description="With `incremental`, every Nth save of a run rewrites its frozen tensors too (fresh "
                     "objects); the default 0 never does.")
+    object_copies: int = Field(
+        default=2, ge=1, le=2,
+        description="Copies of each shared object (`incremental`) on a local root without a `mirror`: the "
+                    "default 2 writes each new object a second time, to `ROOT/objects-copy/`, so one damaged "
+                    "object is repaired at restore instead of failing every generation that references it "
+                    "(the frozen base's bytes twice on the root, one more write of each new object); 1 keeps "
+                    "one copy. With a mirror, which holds each object too, the root keeps one. See "
+                    "docs/incremental.md.")
     background_nice: int = Field(
         default=10, ge=0, le=19,
         description="CPU priority drop (added nice value, 0 to 19) of the background threads "
@@ -241,7 +249,13 @@ class CheckpointConfig(BaseModel):
         default=None,
         description="When the signing key rejects every generation: `raise` `UntrustedGenerations`, or "
                     "start `fresh` listing them as rejected; the default `None` raises under the launcher "
-                    "and starts fresh otherwise.")
+                    "and otherwise leaves it to `on_all_rejected`.")
+    on_all_rejected: Literal["raise", "fresh"] = Field(
+        default="raise",
+        description="When the roots hold committed generations and restore rejects every one: `raise` "
+                    "`NoValidGeneration` naming each and why, moving none aside (default), or start "
+                    "`fresh` from update 0 (they are moved aside under `rejected/`). `restore()` takes the "
+                    "same choice per call; the launcher's `--fresh` starts a new run instead.")
     save_every: int | None = Field(
         default=None, ge=1,
         description="`maybe_save()` interval in updates (the first interval with `cadence=\"auto\"`); with "

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 from . import faults, logs, marks, runinfo
 from .config import CheckpointConfig
@@ -24,6 +25,7 @@ from .context import Context, Tiers
 from .errors import (
     CommitError,
     ConfigError,
+    DistCkptError,
     GenerationExists,
     NotAtOptimizerBoundary,
 )
@@ -85,8 +87,9 @@ def reports_permanent(method):
     def wrapper(*args, **kwargs):
         try:
             return method(*args, **kwargs)
-        except runinfo.PERMANENT_ERRORS as exc:
-            runinfo.report_failure(exc)
+        except DistCkptError as exc:
+            if runinfo.is_permanent(exc):
+                runinfo.report_failure(exc)
             raise
     return wrapper
 
@@ -114,7 +117,9 @@ class CheckpointManager:
             storage_options=dict(config.storage_options or {}),
             scratch_root=config.cache_dir or os.path.join(
                 tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}"),
-            upload_verification=config.upload_verification, direct_io=config.direct_io))
+            upload_verification=config.upload_verification, direct_io=config.direct_io,
+            # a mirror holds every shared object once more, off this disk: no second copy then
+            object_copies=config.object_copies if config.mirror is None else 1))
         # memory_tier: saves commit to this node's memory; the root is fed from it
         self.memory = MemoryTierRunner(config, root) if config.memory_tier else None
         self.tiers = Tiers(root=root, target=self.memory.tier if self.memory is not None else root,
@@ -351,6 +356,7 @@ class CheckpointManager:
             info=ManifestInfo(world_size=self.comm.world_size, components=list(state.components),
                              contract=state.contract,
                              contract_digest=contract_mod.digest(state.contract),
+                             contract_values=state.contract_spec.values or None,
                              dist_ckpt_version=__version__) if is_root else None,
         )
         job = SaveJob(request, on_done=settling(self.reuse, reuse, fingerprint, next_update,
@@ -440,8 +446,11 @@ class CheckpointManager:
     @reports_permanent
     def restore(self, *, components: Iterable[str] | None = None,
                 allow_contract_change: bool | None = None,
-                verify_digests: bool = True) -> RestoreResult:
-        """Load the newest generation that validates (all ranks); a fresh start if none."""
+                verify_digests: bool = True,
+                on_all_rejected: Literal["raise", "fresh"] | None = None) -> RestoreResult:
+        """Load the newest generation that validates (all ranks); a fresh start when the roots
+        hold none. When they hold committed generations and every one is rejected, raise
+        ``NoValidGeneration`` unless ``on_all_rejected`` (default: the config's) is ``"fresh"``."""
         self._check_open()
         self.wait_staged()  # loading writes into the live tensors
         target = rehearsal.script_mode()
@@ -452,7 +461,7 @@ class CheckpointManager:
         with self.marks.section("restore", self.comm.timeout_s):
             if self.memory is not None:
                 self.memory.before_restore()
-            result = resume(self.ctx, components, allow_contract_change, verify_digests)
+            result = resume(self.ctx, components, allow_contract_change, verify_digests, on_all_rejected)
             if self.memory is not None:
                 self.memory.after_restore(self.comm, result)
             seed_after_restore(self.reuse, self.state, result, self.tiers.target)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, TypedDict, cast
 
 from . import logs
@@ -24,8 +25,10 @@ from .errors import (
     ContractMismatch,
     InsufficientSpace,
     LayoutMismatch,
+    NoValidGeneration,
     TorchVersionMismatch,
     UntrustedGenerations,
+    error_name,
 )
 from .storage.local import atomic_write
 
@@ -69,7 +72,7 @@ class WorkerReport(TypedDict, total=False):
 # failures a restart cannot cure: the launcher stops instead of starting again
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, ContractMismatch, LayoutMismatch, TorchVersionMismatch, InsufficientSpace,
-    UntrustedGenerations)
+    UntrustedGenerations, NoValidGeneration)
 
 
 def launch_dir() -> str | None:
@@ -115,10 +118,35 @@ def report(rank: int | None = None, **fields: Any) -> None:
         log.warning("cannot write the launcher report %s: %s", path, exc)
 
 
+def is_permanent(exc: BaseException) -> bool:
+    """No restart cures ``exc``: one of ``PERMANENT_ERRORS``, or an agreed refusal that says so."""
+    return isinstance(exc, PERMANENT_ERRORS) or getattr(exc, "permanent", False) is True
+
+
 def report_failure(exc: BaseException, rank: int | None = None) -> None:
-    """Record an error this rank is about to raise, marked permanent when no restart helps."""
-    report(rank, failure={"error": type(exc).__name__, "message": str(exc),
-                          "permanent": isinstance(exc, PERMANENT_ERRORS)})
+    """Record an error this rank is about to raise, marked permanent when no restart helps.
+    Under the launcher, the same error left uncaught prints one line from rank 0 instead of
+    a traceback from every rank (:func:`print_refusal_once`): it is an expected refusal whose
+    whole reason the launcher's summary repeats."""
+    report(rank, failure={"error": error_name(exc), "message": str(exc), "permanent": is_permanent(exc)})
+    if is_permanent(exc) and under_launcher():
+        print_refusal_once(exc, env_rank() if rank is None else rank)
+
+
+def print_refusal_once(refusal: BaseException, rank: int) -> None:
+    """If ``refusal`` ends the process uncaught: one line on rank 0 (``[dist_ckpt] rank 0:
+    Kind: reason``), nothing on the other ranks, exit status 1 as for any uncaught error.
+    Any other uncaught exception goes to the hook that was there before."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):  # noqa: ANN001 - sys.excepthook's signature
+        if value is not refusal:
+            previous(kind, value, traceback)
+            return
+        if rank == 0:
+            print(f"[dist_ckpt] rank 0: {error_name(value)}: {value}", file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
 
 
 def read_report(path: str) -> dict[str, Any] | None:

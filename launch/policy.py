@@ -88,14 +88,15 @@ def failure_summary(result: dict[str, Any] | None, agent_rc: int | None) -> str:
 
 
 # what a launcher user does about a permanent error, beyond what the library's message says
-FIXES = {"ContractMismatch": "; or start a new run with --fresh"}
+FIXES = {"ContractMismatch": "; or start a new run with --fresh",
+         "NoValidGeneration": " (--fresh starts a new run)"}
 
 
 def permanent_reason(reports: dict[int, WorkerReport]) -> str | None:
     for rank, report in sorted(reports.items()):
         failure = report.get("failure") or {}
         if failure.get("permanent"):
-            first = str(failure.get("message", "")).splitlines()[0][:300]
+            first = (str(failure.get("message", "")).splitlines() or [""])[0][:4000]
             hint = FIXES.get(str(failure.get("error")), "")
             return f"rank {rank}: {failure.get('error')}: {first}{hint}"
     return None

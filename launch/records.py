@@ -22,6 +22,7 @@ class StartRecord:
     resumed_update: int | None = None
     resumed_tier: str | None = None  # the kind of tier it was read from ("memory", "local", ...)
     repaired: str | None = None  # "repaired N file(s) of gen-... from <tier>", None when none was
+    rejected: list[str] = field(default_factory=list)  # the restore's rejected generations, with why
     final_update: int | None = None
     updates: int | None = None
     began_unix: float = 0.0
@@ -40,6 +41,8 @@ class StartRecord:
             self.resumed_from, f"resumed from {self.resumed_from}")
         if self.resumed_tier is not None and self.resumed_from not in (None, "fresh"):
             resumed += f" ({self.resumed_tier} tier)"
+        if self.rejected:
+            resumed += f"; {rejected_summary(self.rejected, newer=self.resumed_from not in (None, 'fresh'))}"
         if self.repaired:
             resumed += f" | {self.repaired}"
         low, _, high = self.nodes.partition(":")
@@ -49,6 +52,13 @@ class StartRecord:
         memory = "" if self.memory_bytes is None else f" | memory {self.memory_bytes / (1 << 20):.1f} MiB"
         return (f"[launch] start {self.start}/{self.max_starts} | world {world} | {resumed} | "
                 f"{self.duration_s:.1f} s{memory} | {self.classification}: {self.reason}")
+
+
+def rejected_summary(rejected: list[str], *, newer: bool) -> str:
+    """``2 newer rejected: gen-10: why; gen-9: why`` (each reason cut, at most three shown)."""
+    shown = "; ".join(r if len(r) <= 160 else r[:157] + "..." for r in rejected[:3])
+    more = f"; +{len(rejected) - 3} more" if len(rejected) > 3 else ""
+    return f"{len(rejected)}{' newer' if newer else ''} rejected: {shown}{more}"
 
 
 def emit(message: str) -> None:

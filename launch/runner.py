@@ -29,6 +29,7 @@ from . import health, memory_dir, policy, records, watchdog
 from .agent_process import AgentProcess, start_agent
 from .options import LaunchOptions
 from .preemption import Preemption, Step
+from .procstate import stopped_ranks
 from .rundir import choose_run
 
 POLL_S = 0.2
@@ -257,7 +258,7 @@ class Launcher:
                             f"rank {rank} pid {m.pid}" for rank, m in sorted(marks.items())))
                     for line in self.stragglers.observe(marks):
                         records.emit(line)
-                    hung = self.watchdog.observe(marks, time.monotonic())
+                    hung = self.watchdog.observe(marks, time.monotonic(), stopped_ranks(marks))
                     if hung is not None:
                         self._hung = hung.reason
                         records.emit(f"[launch] hung: {hung.reason}: ending the start")
@@ -291,6 +292,8 @@ class Launcher:
             record.resumed_update = resumed[0].get("next_update")
             record.resumed_tier = resumed[0].get("resumed_tier")
             record.repaired = resumed[0].get("repaired")
+        rejected = [r["rejected"] for _, r in sorted(reports.items()) if r.get("rejected")]
+        record.rejected = [str(line) for line in rejected[0]] if rejected else []
         # the newest generation committed in any tier: the root's pointer, or what rank 0
         # reported (with the memory tier, memory is ahead of the root)
         committed = [api.latest_update(self.run_dir)] + [

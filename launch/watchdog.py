@@ -22,6 +22,13 @@ which no mark covers). The suspects are the ranks furthest behind: the lowest up
 that never marked is lowest of all), and among those the ones whose last progress is oldest;
 a rank past its section's deadline is a suspect before any other.
 
+**A rank stuck beside waiting peers.** The sections are collective: when some ranks wait
+inside one, a rank that stopped marking holds them there, and the section's long deadline
+must not hide it. So the start is also hung when a rank made no progress for the timeout while
+a peer waits inside a section (a rank is not "inside" a section while its process is stopped:
+``observe``'s ``stopped``, read by the runner from ``/proc``, so a rank stopped within a
+section is not taken for one working there). That rank is the suspect, never the waiting one.
+
 **Stragglers.** In a data-parallel job the ranks run in lock step: every collective waits for
 the slowest rank, so the interval between two updates is the same on every rank (the job's
 pace). What differs is when each rank marks an update: a rank that does more work of its own
@@ -94,11 +101,19 @@ class _Progress:
     at_s: float  # last progress, on the marks' clock
     past_deadline_s: float  # > 0: inside a section this long past its deadline
     section: str
+    stopped: bool = False  # its process is stopped (job control): no progress, in a section or not
+
+    @property
+    def waiting(self) -> bool:
+        """Inside a section within its deadline, its process running."""
+        return bool(self.section) and not self.stopped and self.past_deadline_s == 0
 
 
-def _progress(mark: MarkLike, now: float, launched: float) -> _Progress:
+def _progress(mark: MarkLike, now: float, launched: float, stopped: bool) -> _Progress:
     update = mark.update if mark.count > 0 else None
     base = mark.mark_s if mark.count > 0 else launched
+    if stopped:
+        return _Progress(mark.rank, update, base, 0.0, mark.section, stopped=True)
     if mark.section:
         if now <= mark.deadline_s:
             return _Progress(mark.rank, update, now, 0.0, mark.section)
@@ -131,15 +146,21 @@ class Watchdog:
             return max(AUTO_MIN_S, AUTO_FACTOR * self.longest_s)
         return float(self.hang_timeout)
 
-    def observe(self, marks: Mapping[int, MarkLike], now: float) -> Hung | None:
-        """The verdict for this poll: None while some rank progresses within the timeout."""
+    def observe(self, marks: Mapping[int, MarkLike], now: float,
+                stopped: frozenset[int] = frozenset()) -> Hung | None:
+        """The verdict for this poll: None while some rank progresses within the timeout.
+        ``stopped``: ranks whose process is stopped (SIGSTOP, a debugger) at this poll."""
         for mark in marks.values():
             self.longest_s = max(self.longest_s, mark.longest_s)
         self._finishing.update(m.rank for m in marks.values() if m.section == "finish")
-        progress = [_progress(m, now, self.launched) for m in marks.values()]
+        progress = [_progress(m, now, self.launched, m.rank in stopped) for m in marks.values()]
         started = any(p.update is not None for p in progress)
         tearing_down = bool(marks) and self._finishing >= set(marks)
         timeout = self.timeout_s() if started and not tearing_down else self.startup_timeout
+        if started and not tearing_down:
+            held = self._holding_waiters(progress, now, timeout)
+            if held is not None:
+                return held
         last = max([self.launched, *(p.at_s for p in progress)])
         if now - last <= timeout:
             return None
@@ -154,6 +175,21 @@ class Watchdog:
             named = "; ".join(self._describe(p, now) for p in suspects)
             head += f"; suspect{'s' if len(suspects) > 1 else ''} {named}"
         return Hung(head, tuple(p.rank for p in suspects))
+
+    def _holding_waiters(self, progress: list[_Progress], now: float, timeout: float) -> Hung | None:
+        """Hung when a rank made no progress for ``timeout`` while a peer waits in a section."""
+        waiters = [p for p in progress if p.waiting]
+        stale = [p for p in progress if not p.waiting and p.update is not None and p.past_deadline_s == 0
+                 and now - p.at_s > timeout]
+        if not waiters or not stale:
+            return None
+        section = waiters[0].section
+        named = "; ".join(self._describe(p, now) for p in stale)
+        return Hung(f"no progress for {now - min(p.at_s for p in stale):.0f} s (hang timeout {timeout:g} s) "
+                    f"on rank(s) {', '.join(str(p.rank) for p in stale)} while rank(s) "
+                    f"{', '.join(str(p.rank) for p in waiters[:8])}{' ...' if len(waiters) > 8 else ''} "
+                    f"wait in {section}; suspect{'s' if len(stale) > 1 else ''} {named}",
+                    tuple(p.rank for p in stale))
 
     def _suspects(self, progress: list[_Progress]) -> list[_Progress]:
         if not progress:
@@ -174,6 +210,8 @@ class Watchdog:
             where = "no mark yet"
         else:
             where = f"last mark {now - p.at_s:.0f} s ago"
+        if p.stopped:
+            where += ", its process stopped"
         update = "" if p.update is None else f"update {p.update}, "
         return f"rank {p.rank} ({update}{where})"
 

@@ -114,6 +114,15 @@ ROWS = [
     Row("changed model contract", "parameter renamed / added / removed, shape or dtype, config digest",
         "refused before anything is mutated, listing missing / unexpected / mismatched keys",
         [f"{F}/test_contract_change.py"]),
+    Row("ranks disagree at restore", "3 ranks: one with another contract, one with a model of "
+        "another shape, one whose read fails (restore.read)",
+        "every rank raises the same RestoreRefused naming the refusing rank within 10 s; "
+        "no rank waits in a collective of the load",
+        [f"{F}/test_restore_agreement.py"]),
+    Row("every committed generation rejected", "each generation's shared object damaged in both "
+        "copies, no other tier", "NoValidGeneration naming them, nothing moved aside; "
+        "on_all_rejected='fresh' starts over; one damaged copy: the newest generation repaired",
+        [f"{F}/test_all_rejected.py", "tests/test_incremental_copies.py"]),
     Row("object swapped after validation", "a shard, .metadata or state file replaced between "
         "selection and load", "never deserialised; falls back to the previous generation in the same call",
         [f"{F}/test_object_store_faults.py::test_object_swapped_after_validation_is_never_deserialised"]),

@@ -66,3 +66,17 @@ def test_runs_without_a_log_or_run_is_a_usage_error(
     assert "no launch-log.jsonl under" in capsys.readouterr().err
     assert main(["runs", str(launch_root), "--run", "0009"]) == 2
     assert "no run '0009'" in capsys.readouterr().err
+
+
+def test_a_start_that_rejected_generations_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # issue 38: the start line and `dist-ckpt runs` name the generations restore rejected
+    record = started("0001", 2, "done", "DONE: gen-000000000012")
+    record.resumed_from, record.resumed_tier = "gen-000000000008", "local"
+    record.rejected = ["gen-000000000012 (dcp/__0_0.distcp) [/r]: digest mismatch",
+                       "gen-000000000010 (objects/ab.obj) [/r]: size 3, manifest says 4"]
+    line = record.line()
+    assert ("resumed from gen-000000000008 (local tier); 2 newer rejected: "
+            "gen-000000000012 (dcp/__0_0.distcp) [/r]: digest mismatch; gen-000000000010") in line
+    append(str(tmp_path), record)
+    assert main(["runs", str(tmp_path)]) == 0
+    assert "gen-000000000008 (2 rejected: gen-000000000012, gen-000000000010)" in capsys.readouterr().out

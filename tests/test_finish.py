@@ -14,6 +14,7 @@ from dist_ckpt import (
     CheckpointManager,
     ConfigError,
     ContractMismatch,
+    NoValidGeneration,
     UntrustedGenerations,
 )
 from dist_ckpt.cli.app import main as cli
@@ -118,7 +119,11 @@ def test_a_key_that_rejects_everything_raises_under_the_launcher(tmp_path, monke
     two_generations(root, hmac_key=KEY)
     wrong = "another-key-0123456789abcdef"
     with CheckpointManager(CheckpointConfig(root=root, hmac_key=wrong), make_state()) as mgr:
-        assert mgr.restore().fresh  # a library user keeps the documented fresh fallback
+        with pytest.raises(NoValidGeneration, match="signed with another key"):
+            mgr.restore()  # issue 38: never a silent fresh start, for a library user either
+    with CheckpointManager(CheckpointConfig(root=root, hmac_key=wrong, on_key_rejects_all="fresh"),
+                           make_state()) as mgr:
+        assert mgr.restore().fresh  # starting over is the user's explicit choice
     with CheckpointManager(CheckpointConfig(root=root, hmac_key=wrong, on_key_rejects_all="raise"),
                            make_state()) as mgr:
         with pytest.raises(UntrustedGenerations, match="rejects every generation"):

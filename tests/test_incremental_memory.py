@@ -15,6 +15,7 @@ import pytest
 
 from dist_ckpt import runinfo
 from dist_ckpt.format.manifest import OBJECTS_DIR, PENDING_PREFIX
+from dist_ckpt.format.objects import COPIES_DIR, copy_path
 from dist_ckpt.format.validate import list_generations, validate
 from dist_ckpt.memory.breakpoint import persist_memory
 from dist_ckpt.memory.tier import memory_root
@@ -62,6 +63,9 @@ def test_memory_reuses_its_objects_and_persistence_copies_each_once(tmp_path) ->
         for n in (1, 2, 3):
             assert objects_of(root, GEN[n]) == frozen
             validate(LocalStore(root), GEN[n])
+        # the root keeps a second copy of each (memory does not last: not one), memory none
+        assert all(os.path.isfile(os.path.join(root, copy_path(p))) for p in frozen)
+        assert not os.path.exists(os.path.join(memory, COPIES_DIR))
         # an object of another size in the root is copied again by the next persistence
         damaged = sorted(frozen)[0]
         os.truncate(os.path.join(root, damaged), frozen[damaged] // 2)
@@ -100,6 +104,8 @@ def test_persist_at_breakpoint_copies_only_the_objects_the_root_lacks(tmp_path) 
     after = inodes(root)
     assert after.keys() == set(old) | set(new)
     assert {k: after[k] for k in before} == before, "the objects the root held were not copied again"
+    # the root keeps second copies (persisted ones made them): the new object gets one too
+    assert all(os.path.isfile(os.path.join(root, copy_path(p))) for p in set(old) | set(new))
     validate(LocalStore(root), GEN[3])
     validate(LocalStore(root), GEN[2])
     assert no_pending(root)

@@ -13,8 +13,9 @@ import shutil
 
 import pytest
 
-from dist_ckpt.errors import ValidationError
+from dist_ckpt.errors import NoValidGeneration, ValidationError
 from dist_ckpt.format.manifest import LATEST_NAME, MANIFEST_NAME, OBJECTS_DIR, REJECTED_DIR
+from dist_ckpt.format.objects import COPIES_DIR
 from dist_ckpt.format.validate import validate
 from dist_ckpt.save.replay import read_mirror_state
 from dist_ckpt.storage.local import LocalStore, file_digest
@@ -57,6 +58,7 @@ def test_each_object_is_uploaded_once(s3_root: str, tmp_path) -> None:
     frozen = objects_of(root, GEN1)
     assert len(frozen) == 2 and objects_of(root, GEN2) == objects_of(root, GEN3) == frozen
     assert read_mirror_state(root)["last_completed"] == GEN3
+    assert not os.path.exists(os.path.join(root, COPIES_DIR))  # the mirror is the other copy
     store = ObjectStore(s3_root)
     # the objects live once, at the mirror's root: no generation's attempt holds a copy
     assert mirror_objects(s3_root) == set(frozen)
@@ -171,7 +173,7 @@ def test_an_object_is_repaired_from_a_mirror_without_that_generation(s3_root: st
     never received (here, one saved after the mirror was turned off)."""
     root = str(tmp_path / "root")
     mirrored_saves(root, s3_root, [1])
-    train(0, 1, "plain", root, [2, 3])  # the mirror is off
+    train(0, 1, "plain", root, [2, 3], {"object_copies": 1})  # the mirror is off, one copy
     assert objects_of(root, GEN3) == objects_of(root, GEN1)
     damaged, _ = damage_first_object(root, GEN3)
     restored = incremental_tiers.restore(0, 1, "plain", root, mirror=s3_root)
@@ -186,7 +188,7 @@ def test_without_a_mirror_restore_falls_back_past_every_generation_listing_it(tm
     root = str(tmp_path / "root")
     first = train(0, 1, "plain", root, [1], {"incremental": False})
     assert objects_of(root, GEN1) == {}
-    train(0, 1, "plain", root, [2, 3])
+    train(0, 1, "plain", root, [2, 3], {"object_copies": 1})  # no second copy on the root
     assert objects_of(root, GEN2) == objects_of(root, GEN3) != {}
     damaged, flipped = damage_first_object(root, GEN3)
     restored = incremental_tiers.restore(0, 1, "plain", root)
@@ -201,10 +203,12 @@ def test_without_a_mirror_restore_falls_back_past_every_generation_listing_it(tm
         assert handle.read() == flipped
 
 
-def test_without_a_mirror_or_older_generation_restore_starts_fresh(tmp_path) -> None:
+def test_without_a_mirror_or_older_generation_restore_starts_fresh_only_when_asked(tmp_path) -> None:
     root = str(tmp_path / "root")
-    train(0, 1, "plain", root, [1, 2])
+    train(0, 1, "plain", root, [1, 2], {"object_copies": 1})  # no second copy on the root
     damaged, _ = damage_first_object(root, GEN2)
-    restored = incremental_tiers.restore(0, 1, "plain", root)
+    with pytest.raises(NoValidGeneration, match=GEN1):  # issue 38: never a silent fresh start
+        incremental_tiers.restore(0, 1, "plain", root)
+    restored = incremental_tiers.restore(0, 1, "plain", root, on_all_rejected="fresh")
     assert restored["generation"] is None
     assert restored["rejected"] == [(GEN2, damaged), (GEN1, damaged)]

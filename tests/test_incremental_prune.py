@@ -18,7 +18,15 @@ import pytest
 from dist_ckpt import faults
 from dist_ckpt.cli.app import main as cli_main
 from dist_ckpt.format.manifest import MANIFEST_NAME, generation_name
-from dist_ckpt.format.objects import ASIDE_PREFIX, Candidate, plan_sweep, recover_aside, remove_object
+from dist_ckpt.format.objects import (
+    ASIDE_PREFIX,
+    COPIES_DIR,
+    Candidate,
+    copy_path,
+    plan_sweep,
+    recover_aside,
+    remove_object,
+)
 from dist_ckpt.ops.retention import prune
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.tiers import open_tier
@@ -77,6 +85,18 @@ def test_kept_generations_objects_survive_unreferenced_go(root: str, template) -
     name, tensors = restored(root)
     assert name == G(4) and same(tensors, template[1][G(4)])
     assert prune(open_tier(root), keep_last=2).objects == []  # nothing left to sweep
+
+
+def test_second_copies_go_with_their_objects(root: str) -> None:
+    """Each object's second copy (``objects-copy/``, issue 38) is swept with it, kept with it."""
+    only_old, new, _ = layout(root)
+    copies = os.path.join(root, COPIES_DIR)
+    assert {copy_path(p) for p in only_old | new} == {f"{COPIES_DIR}/{n}" for n in os.listdir(copies)}
+    dry = prune(open_tier(root), keep_last=2, dry_run=True)
+    assert dry.object_copies == [copy_path(p) for p in sorted(only_old)]
+    plan = prune(open_tier(root), keep_last=2)
+    assert plan.objects == sorted(only_old) and plan.object_copies == dry.object_copies
+    assert {f"{COPIES_DIR}/{n}" for n in os.listdir(copies)} == {copy_path(p) for p in new}
 
 
 def test_pending_attempt_manifest_protects_its_objects(root: str) -> None:

@@ -58,18 +58,25 @@ def launch_timed(root: str, *launcher_args: str, script_args: tuple[str, ...],
 # tests instead of holding one of the two launcher slots for 80 s (docs/testing.md)
 @pytest.mark.processes
 @pytest.mark.long(reason="the default (auto) hang timeout is at least 60 s, then a 10 s grace and a restart")
-def test_sigstopped_rank_is_detected_and_the_job_finishes_bitwise(tmp_path) -> None:
-    args = ("--updates", "12", "--save-every", "4")
+@pytest.mark.parametrize("stop_at", [6, 8], ids=["between-saves", "peer-waits-in-save"])
+def test_sigstopped_rank_is_detected_and_the_job_finishes_bitwise(tmp_path, stop_at: int) -> None:
+    # 6: rank 0 waits in the next step's collective, outside any section; 8: rank 1 stops
+    # before the save of update 8 and rank 0 waits for it inside save() (issue 38: the save's
+    # deadline, 3 x commit_timeout_s, must neither delay the verdict nor make rank 0 the suspect)
+    args = ("--updates", "12", "--save-every", "4", "--commit-timeout", "30")
     launchlib.reference(str(tmp_path / "reference"), *args, "--dump-final", str(tmp_path / "reference.pt"))
     root, marker = str(tmp_path / "root"), tmp_path / "stopped"
     result, detected = launch_timed(
         root, "--backoff", "0.5", watch_for="[launch] hung:", timeout=480,
-        script_args=("--sigstop-at", "6", "--sigstop-rank", "1", "--marker", str(marker), "--",
+        script_args=("--sigstop-at", str(stop_at), "--sigstop-rank", "1", "--marker", str(marker), "--",
                      *args, "--dump-final", str(tmp_path / "final.pt")))
     assert result.returncode == 0, result.output[-4000:]
     first, second = result.starts
     assert first["classification"] == "hung", first
-    assert "suspect rank 1 (update 5, last mark" in first["reason"], first["reason"]
+    assert f"suspect rank 1 (update {stop_at - 1}, last mark" in first["reason"], first["reason"]
+    assert "suspect rank 0" not in first["reason"], first["reason"]
+    if stop_at == 8:
+        assert "while rank(s) 0 wait in save" in first["reason"], first["reason"]
     assert "hung: no progress for" in result.output and "suspect rank 1" in result.output
     assert second["classification"] == "done" and second["resumed_from"] == "gen-000000000004"
     stopped_unix, stopped_pid = marker.read_text().split()

@@ -111,7 +111,7 @@ def test_a_failed_load_leaves_the_optimizer_without_state(tmp_path) -> None:
     initial = [p.detach().clone() for p in fresh_model.parameters()]
     with CheckpointManager(CheckpointConfig(root=str(tmp_path)),
                            TrainState(fresh_model, fresh_optimizer)) as mgr:
-        result = mgr.restore()
+        result = mgr.restore(on_all_rejected="fresh")
     assert result.generation is None and [r.generation for r in result.rejected] == ["gen-000000000001"]
     assert not fresh_optimizer.state  # a fresh start: no uninitialised targets left behind
     for before, after in zip(initial, fresh_model.parameters(), strict=True):

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from dist_ckpt import CheckpointConfig, CheckpointManager, ConfigError
+from dist_ckpt import CheckpointConfig, CheckpointManager, ConfigError, NoValidGeneration
 from dist_ckpt.cli.app import main as cli
 from dist_ckpt.digests import digest_bytes
 from dist_ckpt.format.manifest import GLOBAL_STATE_FILE, FileEntry, Manifest
@@ -39,8 +39,10 @@ def forge(root: str, generation: str) -> None:
 
 
 def restore(root: str, **config) -> tuple[str | None, list[str]]:
+    """Restore, starting over when every generation is rejected (the explicit choice: the
+    default raises ``NoValidGeneration``, test_unsigned_and_wrong_key_are_refused)."""
     with CheckpointManager(CheckpointConfig(root=root, **config), make_state()) as mgr:
-        result = mgr.restore()
+        result = mgr.restore(on_all_rejected="fresh")
     return result.generation, [str(p) for p in result.rejected]
 
 
@@ -70,6 +72,9 @@ def test_unsigned_and_wrong_key_are_refused(tmp_path) -> None:
     two_generations(unsigned)
     generation, rejected = restore(unsigned, hmac_key=KEY)
     assert generation is None and len(rejected) == 2
+    with CheckpointManager(CheckpointConfig(root=unsigned, hmac_key=KEY), make_state()) as mgr:
+        with pytest.raises(NoValidGeneration, match="is not signed"):
+            mgr.restore()  # without the explicit choice: never a silent fresh start
     assert all("not signed" in reason for reason in rejected)
     two_generations(signed, hmac_key=KEY)
     generation, rejected = restore(signed, hmac_key="another-key-0123456789")

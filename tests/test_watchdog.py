@@ -211,3 +211,36 @@ def test_options_validate_with_clear_errors(capsys: pytest.CaptureFixture[str]) 
         with pytest.raises(SystemExit) as exited:
             parse([*bad, *base])
         assert exited.value.code == 2 and message in capsys.readouterr().err, bad
+
+
+def test_a_rank_that_stopped_marking_while_peers_wait_in_a_section_is_the_suspect() -> None:
+    # issue 38: rank 1 stopped between steps; rank 0 waits in the next save for it. The save's
+    # long deadline must not hide rank 1, and rank 0 (waiting) is never the suspect
+    dog = Watchdog(60, 900)
+    dog.begin(0.0)
+    waiting = marks(M(0, 11, 100.0, section="save", deadline_s=400.0), M(1, 11, 99.0))
+    assert dog.observe(waiting, 158.0) is None  # rank 1 marked 59 s ago: within the timeout
+    hung = dog.observe(waiting, 160.0)
+    assert hung is not None and hung.suspects == (1,)
+    assert "while rank(s) 0 wait in save" in hung.reason and "suspect rank 1 (update 11" in hung.reason
+
+
+def test_a_stopped_rank_inside_a_section_is_not_taken_for_working_there() -> None:
+    dog = Watchdog(60, 900)
+    dog.begin(0.0)
+    restoring = marks(M(0, 0, 10.0, section="restore", deadline_s=700.0),
+                      M(1, 0, 10.0, section="restore", deadline_s=700.0))
+    assert dog.observe(restoring, 200.0) is None  # both running: a long restore is no hang
+    assert dog.observe(restoring, 69.0, stopped=frozenset({1})) is None  # stopped, within the timeout
+    hung = dog.observe(restoring, 71.0, stopped=frozenset({1}))
+    assert hung is not None and hung.suspects == (1,)
+    assert "its process stopped" in hung.reason and "wait in restore" in hung.reason
+
+
+def test_ranks_all_outside_sections_keep_the_furthest_behind_rule() -> None:
+    dog = Watchdog(60, 900)
+    dog.begin(0.0)
+    training = marks(M(0, 12, 100.0), M(1, 11, 99.0))  # rank 0 blocked in the next step's collective
+    assert dog.observe(training, 159.0) is None  # rank 0's mark is within the timeout
+    hung = dog.observe(training, 161.0)
+    assert hung is not None and hung.suspects == (1,)

@@ -60,7 +60,14 @@ def start_row(record: dict[str, Any]) -> list[str]:
     updates = record.get("updates")
     return [f"  {record.get('start', '?')}", str(record.get("classification", "?")),
             f"{float(record.get('duration_s') or 0):.1f}", "-" if updates is None else str(updates),
-            str(record.get("resumed_from") or "?"), str(record.get("reason", ""))]
+            str(record.get("resumed_from") or "?") + rejected_note(record), str(record.get("reason", ""))]
+
+
+def rejected_note(record: dict[str, Any]) -> str:
+    """`` (2 rejected: gen-10, gen-9)`` after where a start resumed, when its restore rejected any."""
+    rejected = [str(r).split(" ", 1)[0].rstrip(":") for r in record.get("rejected") or []]
+    return f" ({len(rejected)} rejected: {', '.join(rejected[:4])}{', ...' if len(rejected) > 4 else ''})" \
+        if rejected else ""
 
 
 def cmd_runs(args: argparse.Namespace) -> int:

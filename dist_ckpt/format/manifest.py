@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from ..errors import StorageError, UnsafeFileError, UnsafeNameError, ValidationError
@@ -265,6 +265,9 @@ class Manifest(BaseModel):
     components: list[str]
     contract: dict[str, str]
     contract_digest: str
+    # the canonical JSON of the contract's fields (those within restart.contract's bound), so
+    # that a mismatch names the key and both values; absent in older manifests and when empty
+    contract_values: dict[str, JsonValue] | None = None
     torch_version: str
     dist_ckpt_version: str
     created_unix: float = Field(ge=0, le=MAX_UNIX_TIME, allow_inf_nan=False)  # shown as a date

@@ -16,13 +16,24 @@ before it reads the manifests, and removes an object by renaming it aside first
 (``objects/.swept-<name>.<tag>``): an aside file that is not the inode it judged is a fresh
 install, renamed back at once. A sweep killed between the two steps leaves an aside file;
 the next sweep puts it back when its name is missing, else deletes it (``recover_aside``).
+
+Second copies (``CheckpointConfig.object_copies``, docs/incremental.md, "A second copy of each
+object"): where no mirror keeps another copy, each object an attempt writes gets a second,
+separately written file ``objects-copy/<name>`` below the same root (``write_copies``: the
+first read back, hashed and checked against its entry on the way), installed with the first,
+before the rename. No manifest lists it (the format is unchanged); restore's repair reads it
+when the first is damaged or missing (``restore/repair.py``), and the sweep removes it with
+the first: a copy is kept exactly while its name is referenced.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
 
@@ -30,6 +41,7 @@ from .. import faults, logs
 from ..errors import DistCkptError, StorageError
 from ..storage.base import Store, StoreReader, read_bounded
 from ..storage.local import fsync_dir, makedirs_durable
+from .copy import copy_verified, fsynced_file
 from .manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -50,26 +62,93 @@ class SweepRefused(StorageError):
     """A manifest that could reference objects cannot be read: nothing is swept."""
 
 
+COPIES_DIR = "objects-copy"  # ROOT/objects-copy/<name>: the second copy of ROOT/objects/<name>
+
+
+def copy_path(path: str) -> str:
+    """Where the second copy of shared object ``path`` (``objects/<name>``) lies below the same
+    root: ``objects-copy/<name>``."""
+    return f"{COPIES_DIR}/{path.removeprefix(OBJECTS_DIR + '/')}"
+
+
+def object_of(rel: str) -> str:
+    """The object a listed file stands for: ``objects-copy/<name>`` -> ``objects/<name>``."""
+    prefix = COPIES_DIR + "/"
+    return f"{OBJECTS_DIR}/{rel[len(prefix):]}" if rel.startswith(prefix) else rel
+
+
+def keeps_copies(root: str) -> bool:
+    """Whether a local root keeps second copies of its objects: its ``objects-copy/`` exists.
+    For the launcher's persist at breakpoint, which does not see the job's configuration."""
+    return os.path.isdir(os.path.join(root, COPIES_DIR))
+
+
+def write_copies(local_dir: str, entries: list[FileEntry], generation: str, *,
+                 open_target: Callable[[str], AbstractContextManager[Any]] = fsynced_file,
+                 stop: Callable[[], bool] = lambda: False) -> bool:
+    """The second copies of an attempt's new objects (``entries``: their manifest entries):
+    each ``local_dir/objects/<name>`` read back and hashed while it is written to
+    ``local_dir/objects-copy/<name>`` (fsynced, then the directory) with the same durability
+    as the first (``open_target``: the tier's durable sink, past the page cache where the
+    first went so; the default keeps this module torch-free for the launcher). Reading the
+    first back proves it as well: a mismatch raises ``ValidationError`` and the save fails
+    rather than commit a bad object.
+    ``stop`` (the commit deadline passed) ends it early and it returns False. On a failure or
+    a stop the copies made are removed: they are in no report, nobody else would."""
+    made: list[str] = []
+    try:
+        for entry in entries:
+            if stop():
+                _unlink_all(made)
+                return False
+            target = os.path.join(local_dir, copy_path(entry.path))
+            made.append(target)
+            copy_verified(os.path.join(local_dir, entry.path), target, entry, generation,
+                          open_target=open_target)
+        if made:
+            fsync_dir(os.path.join(local_dir, COPIES_DIR))
+    except BaseException:
+        _unlink_all(made)
+        raise
+    return True
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def install_objects(pending: str, root: str) -> list[str]:
     """Move the objects below ``pending/objects/`` into ``root/objects/`` (a name that is
-    there already is replaced: the same digest, so the same bytes, freshly written); the
-    directory is fsynced. Returns the paths moved (``objects/<name>``)."""
-    source = os.path.join(pending, OBJECTS_DIR)
+    there already is replaced: the same digest, so the same bytes, freshly written), then
+    their second copies below ``pending/objects-copy/`` into ``root/objects-copy/``; each
+    directory is fsynced. Returns the objects moved (``objects/<name>``)."""
+    moved = _install(pending, root, OBJECTS_DIR, "commit.object_installed")
+    _install(pending, root, COPIES_DIR, None)  # before the rename too: no committed object lacks it
+    return moved
+
+
+def _install(pending: str, root: str, folder: str, point: str | None) -> list[str]:
+    source = os.path.join(pending, folder)
     try:
         names = sorted(os.listdir(source))
     except FileNotFoundError:
         return []
-    moved = [f"{OBJECTS_DIR}/{name}" for name in names if is_object_path(f"{OBJECTS_DIR}/{name}")]
+    moved = [f"{folder}/{name}" for name in names if is_object_path(f"{OBJECTS_DIR}/{name}")]
     if not moved:
         return []
-    target = os.path.join(root, OBJECTS_DIR)
+    target = os.path.join(root, folder)
     makedirs_durable(target)  # a new objects/ entry itself is durable, not only its contents
     for path in moved:
         os.replace(os.path.join(pending, path), os.path.join(root, path))
-        faults.hit("commit.object_installed", 0)
+        if point is not None:
+            faults.hit(point, 0)
     fsync_dir(target)
-    # the names left the pending objects/ directory: durably so, or a power cut could bring
-    # them back inside the committed generation's directory
+    # the names left the pending directory: durably so, or a power cut could bring them back
+    # inside the committed generation's directory
     fsync_dir(source)
     return moved
 
@@ -85,14 +164,14 @@ def holds_object(store: StoreReader, entry: FileEntry) -> bool:
         return False
 
 
-def listed_objects(store: StoreReader) -> list[str]:
-    """The shared objects below the root (``objects/<name>``); none when there is no
-    ``objects/``."""
+def listed_objects(store: StoreReader, folder: str = OBJECTS_DIR) -> list[str]:
+    """The shared objects below the root (``objects/<name>``; with ``folder=COPIES_DIR`` their
+    second copies, ``objects-copy/<name>``); none when the folder is not there."""
     try:
-        names = store.listdir(OBJECTS_DIR)
+        names = store.listdir(folder)
     except (FileNotFoundError, StorageError):
         return []
-    return [f"{OBJECTS_DIR}/{n}" for n in names if is_object_path(f"{OBJECTS_DIR}/{n}")]
+    return [f"{folder}/{n}" for n in names if is_object_path(f"{OBJECTS_DIR}/{n}")]
 
 
 def _references(store: StoreReader, rel: str) -> set[str]:
@@ -178,7 +257,7 @@ def plan_sweep(store: StoreReader, *, dropping: frozenset[str] = frozenset()) ->
     before has its manifest readable by then (``install_objects`` runs after the pending
     manifest is durable, before the rename). Raises ``SweepRefused`` when a manifest cannot be
     read."""
-    listed = listed_objects(store)
+    listed = listed_objects(store) + listed_objects(store, COPIES_DIR)  # a copy goes with its object
     if not listed:
         return []
     identities: dict[str, tuple[int, int] | None] = {}
@@ -189,7 +268,7 @@ def plan_sweep(store: StoreReader, *, dropping: frozenset[str] = frozenset()) ->
             continue  # gone since the listing (another sweep)
         identities[rel] = identity
     refs = referenced_objects(store, dropping=dropping)
-    return [Candidate(rel, identity) for rel, identity in identities.items() if rel not in refs]
+    return [Candidate(rel, identity) for rel, identity in identities.items() if object_of(rel) not in refs]
 
 
 def unreferenced_objects(store: StoreReader, *, dropping: frozenset[str] = frozenset()) -> list[str]:
@@ -226,12 +305,20 @@ def remove_object(store: Store, candidate: Candidate) -> bool:
 
 
 def recover_aside(store: Store) -> int:
-    """A sweep killed after renaming an object aside: put each aside file back where its name
-    is missing (the sweep about to run judges it again), delete the rest (its name holds the
-    same bytes). Call before :func:`plan_sweep`; local roots only. Returns the files put back."""
-    folder = _local_path(store, OBJECTS_DIR)
-    if folder is None:
-        return 0
+    """A sweep killed after renaming an object (or its second copy) aside: put each aside file
+    back where its name is missing (the sweep about to run judges it again), delete the rest
+    (its name holds the same bytes). Call before :func:`plan_sweep`; local roots only. Returns
+    the files put back."""
+    restored = 0
+    for rel in (OBJECTS_DIR, COPIES_DIR):
+        folder = _local_path(store, rel)
+        if folder is None:
+            return 0
+        restored += _recover_in(folder)
+    return restored
+
+
+def _recover_in(folder: str) -> int:
     try:
         names = os.listdir(folder)
     except FileNotFoundError:

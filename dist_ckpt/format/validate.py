@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 from .. import progress
 from ..digests import digest_bytes
-from ..errors import SignatureError, StorageError, UnsafeFileError, ValidationError
+from ..errors import (
+    SignatureError,
+    StorageError,
+    UncommittedGeneration,
+    UnsafeFileError,
+    ValidationError,
+)
 from ..storage.base import Store, StoreReader
 from .manifest import (
     GLOBAL_STATE_FILE,
@@ -49,6 +55,7 @@ class Problem:
     path: str | None = None
     tier: str | None = None  # the root (local or mirror) the generation was read from
     signature: bool = False  # rejected by the signing key (not by its bytes)
+    committed: bool = True  # False: it had no manifest that counts (``UncommittedGeneration``)
 
     def __str__(self) -> str:
         where = f" ({self.path})" if self.path else ""
@@ -90,11 +97,11 @@ def read_manifest(store: StoreReader, generation: str, *, key: bytes | None = No
                           limit=MAX_MANIFEST_BYTES)
         raw = store.read_bytes(rel)
     except (FileNotFoundError, StorageError) as exc:
-        raise ValidationError(f"{generation} has no manifest (never committed)",
+        raise UncommittedGeneration(f"{generation} has no manifest (never committed)",
                               generation=generation, path=MANIFEST_NAME) from exc
     marker = rejected_marker_name(hashlib.sha256(raw).hexdigest())
     if store.exists(f"{generation}/{marker}"):
-        raise ValidationError(f"{generation} was rejected and is being moved aside ({marker})",
+        raise UncommittedGeneration(f"{generation} was rejected and is being moved aside ({marker})",
                               generation=generation, path=marker)
     manifest = Manifest.from_bytes(raw, generation=generation)
     if key is not None:

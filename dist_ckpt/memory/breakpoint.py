@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from ..errors import DistCkptError, GenerationExists, ValidationError
 from ..format.copy import copy_verified, listed_source
 from ..format.manifest import MANIFEST_NAME, Manifest, is_object_path, parse_generation, pending_dir_name
-from ..format.objects import holds_object, install_objects
+from ..format.objects import holds_object, install_objects, keeps_copies, write_copies
 from ..format.signing import SIGNATURE_NAME, key_from_env
 from ..format.validate import check_sizes, check_structure, list_generations, move_latest
 from ..storage.local import LocalStore, fsync_dir, makedirs_durable, open_regular, write_durable
@@ -170,8 +170,11 @@ def _node_local(disk: LocalStore) -> bool:
 def _copy(memory_root: str, pending: str, generation: str, manifest: Manifest, files: list[str],
           *, keep_present: bool = False) -> None:
     """Each of ``files`` from memory into ``pending``, verified; a shared object the root
-    (``pending``'s parent) holds already is not copied again."""
+    (``pending``'s parent) holds already is not copied again. A new one gets its second copy
+    where the root keeps them (``keeps_copies``: this process does not see the job's
+    ``object_copies``, the root's ``objects-copy/`` says it)."""
     disk = LocalStore(os.path.dirname(os.path.normpath(pending)))
+    copies = keeps_copies(disk.root)
     for path in files:
         entry = manifest.file(path)
         assert entry is not None  # a listed file (_node_files)
@@ -185,6 +188,8 @@ def _copy(memory_root: str, pending: str, generation: str, manifest: Manifest, f
         try:
             copy_verified(listed_source(os.path.join(memory_root, generation), rel), target, entry,
                           generation)
+            if shared and copies:
+                write_copies(pending, [entry], generation)
         except ValidationError:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(target)

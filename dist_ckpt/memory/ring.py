@@ -244,13 +244,22 @@ class NodeRing:
                           "replica": _received(self.replica_root)},
                          {"memory": self.tier.root, "replica": self.replica_root})
 
+    def _holdings_or_none(self):  # noqa: ANN202 - holdings()'s type, or None
+        """This leader's holdings; None (it holds nothing usable) when reading them failed:
+        a leader that raised here would leave its peers in the all-gather."""
+        try:
+            return self.holdings()
+        except Exception:  # noqa: BLE001 - logged; the plan then leaves this node out
+            log.exception("memory tier: this node's holdings could not be read")
+            return None
+
     def repair(self) -> None:
         """Complete every node's memory copy of the newest generation the nodes can complete,
         and give each node the other nodes' shard files its load reads (collective, one
         planned exchange). No-op on one node."""
         if self.nodes == 1:
             return
-        gathered = self.comm.all_gather(self.holdings() if self.is_leader else None)
+        gathered = self.comm.all_gather(self._holdings_or_none() if self.is_leader else None)
         plan: ExchangePlan | None = None
         if self.comm.rank == 0:
             held = {rank: h for rank, h in enumerate(gathered) if h is not None}
@@ -264,8 +273,12 @@ class NodeRing:
             return
         outcome = Outcome()
         if self.is_leader and self.channel is not None:
-            outcome = run_exchange(plan, self.channel, self.comm.rank,
-                                   Places(self.tier.root, self.replica_root, self.fetched_dir))
+            try:
+                outcome = run_exchange(plan, self.channel, self.comm.rank,
+                                       Places(self.tier.root, self.replica_root, self.fetched_dir))
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather below
+                log.exception("memory tier: this node's part of the restore exchange failed")
+                outcome = Outcome(failures=[f"rank {self.comm.rank}: {type(exc).__name__}: {exc}"])
         self.fetched += len(outcome.received)
         failures = [f for failed in self.comm.all_gather(outcome.failures) for f in failed]
         self.repair_failures = failures

@@ -39,8 +39,10 @@ class TrainState:
 
     ``numpy_generators`` names every ``numpy.random.Generator`` the job draws from (the
     legacy global state does not cover them). ``contract`` maps field names (config,
-    tokenizer, data) to digests or JSON-able values that are digested. ``extras`` is a
-    JSON-able dict (best metric, EMA step, tracker run id, ...), the same on every rank.
+    tokenizer, data) to digest strings or values that are digested as canonical JSON (sets,
+    dataclasses, pydantic models, enums, paths and small arrays included; anything else
+    raises ``ConfigError``). ``extras`` is a JSON-able dict (best metric, EMA step, tracker
+    run id, ...), the same on every rank.
     ``require_optimizer_boundary=False`` declares that gradients left on parameters at save
     time are not a pending accumulation.
     """
@@ -58,7 +60,10 @@ class TrainState:
         self.scaler = scaler
         self.sampler = sampler
         self.numpy_generators = dict(numpy_generators or {})
-        self.contract = contract_mod.normalize(contract)
+        # built here, on every rank: a value with no canonical form is refused before any
+        # manager exists (ConfigError naming its key path)
+        self.contract_spec = contract_mod.build(contract)
+        self.contract = self.contract_spec.digests
         self.extras: dict[str, Any] = extras if extras is not None else {}
         self.require_optimizer_boundary = require_optimizer_boundary
         self.next_update = 0

@@ -20,7 +20,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..errors import SignatureError, StorageError, TorchVersionMismatch, ValidationError, per_rank
+from .. import faults
+from ..errors import (
+    SignatureError,
+    StorageError,
+    TorchVersionMismatch,
+    UncommittedGeneration,
+    ValidationError,
+    per_rank,
+    refusal_details,
+    refused_error,
+)
 from ..format.manifest import (
     COMMON_FILES,
     DCP_DIR,
@@ -133,7 +143,8 @@ def validate_everywhere(comm: Comm, store: StoreReader, name: str, *, digests: b
             verdict: str | Problem = checked.model_dump_json()
         except Exception as exc:  # noqa: BLE001 - any failure rejects it; peers wait on the broadcast
             verdict = Problem(name, _reason(exc), getattr(exc, "path", None),
-                              signature=isinstance(exc, SignatureError))
+                              signature=isinstance(exc, SignatureError),
+                              committed=not isinstance(exc, UncommittedGeneration))
     shared = comm.broadcast(verdict if comm.rank == 0 else None)
     if isinstance(shared, Problem):
         return shared
@@ -183,26 +194,15 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
                     scratch_parent: str | None = None, one_pass: bool = False) -> RestoreResult:
     """Load generation ``name`` into ``state`` (all ranks). ``one_pass``: the shards were not
     hashed at selection; the load hashes them (every rank agrees before any tensor is
-    written)."""
+    written). The checks a rank can fail alone run before any collective of the load and end
+    in one agreement (:func:`agree_before_load`)."""
     wanted = tuple(c for c in state.components if c in set(components))
-    missing = [c for c in wanted if c not in manifest.components]
-    if missing:
-        raise ValidationError(f"{name} holds no {missing} state", generation=name)
     result = RestoreResult(next_update=manifest.next_update, tokens_seen=manifest.tokens_seen,
                            generation=name, manifest=manifest, components=wanted)
-    result.contract_changes = contract_mod.check(manifest.contract, state.contract,
-                                                 allow_change=allow_contract_change)
-    if manifest.torch_version != torch.__version__:
-        message = (f"{name} was saved by torch {manifest.torch_version}, this is torch "
-                   f"{torch.__version__}; DCP does not promise cross-version compatibility")
-        if strict_torch_version:
-            raise TorchVersionMismatch(message)
-        warnings.warn(message, stacklevel=3)
-        result.warnings.append(message)
-
     prebuilt: list[torch.Tensor] = []
 
     def template_for(metadata: Metadata) -> dict:
+        _check_fit(name, manifest, state, wanted, result, allow_contract_change, strict_torch_version)
         result.metadata = metadata
         prebuilt.extend(optim_targets.prebuild(state, metadata, wanted))
         return state.tensor_state(wanted)
@@ -227,6 +227,24 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
             base = codec.loads(read_verified(store, name, manifest, rank_state_file(0), validated=True))
             state.load_rank_state({"rng": rng.derived(base["rng"], comm.rank)})
     return result
+
+
+def _check_fit(name: str, manifest: Manifest, state: TrainState, wanted: tuple[str, ...],
+               result: RestoreResult, allow_contract_change: bool, strict_torch_version: bool) -> None:
+    """This rank's checks that the generation fits the job: components, contract, torch."""
+    missing = [c for c in wanted if c not in manifest.components]
+    if missing:
+        raise ValidationError(f"{name} holds no {missing} state", generation=name)
+    result.contract_changes = contract_mod.check(manifest.contract, state.contract_spec,
+                                                 allow_change=allow_contract_change,
+                                                 saved_values=manifest.contract_values)
+    if manifest.torch_version != torch.__version__:
+        message = (f"{name} was saved by torch {manifest.torch_version}, this is torch "
+                   f"{torch.__version__}; DCP does not promise cross-version compatibility")
+        if strict_torch_version:
+            raise TorchVersionMismatch(message)
+        warnings.warn(message, stacklevel=4)
+        result.warnings.append(message)
 
 
 def verification_failures(exc: BaseException, errors: list[ValidationError], rank: int = 0
@@ -257,37 +275,108 @@ def load_in_process(template: dict[str, Any], reader: GenerationReader) -> None:
         raise
 
 
+class AgreedProblem(Exception):
+    """Every rank: a rank could not read the generation before the load began (a file
+    missing or damaged: repair or the next generation answers it). Raised on every rank
+    alike, after the agreement, so no rank gathers again."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(str(problem))
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """What one rank reports to the agreement before the load."""
+
+    kind: str  # the class name of what it raised
+    reason: str
+    problem: Problem | None  # set when repair or the next generation can answer it
+    permanent: bool
+    details: dict[str, Any]  # a mismatch's attributes (``errors.refusal_details``)
+
+
+def agree_before_load(comm: Comm, tier: CommitTier, name: str, failure: BaseException | None) -> None:
+    """All ranks, once each, after their own checks and before any collective of the load:
+    one all-gather of every rank's refusal. Returns when none refused; otherwise raises the
+    same error on every rank: :class:`RestoreRefused` (or its mismatch subclass) when any
+    rank refused for a reason repair cannot answer, else :class:`AgreedProblem` with the
+    lowest rank's problem. A rank that refused alone and returned would leave its peers
+    blocked in DCP's first gather until the group's timeout."""
+    from ..runinfo import PERMANENT_ERRORS  # runinfo imports errors only; no cycle at use
+
+    mine = None
+    if failure is not None:
+        problem = None
+        if isinstance(failure, ValidationError):
+            problem = Problem(name, str(failure), failure.path, tier=tier.url)
+        elif isinstance(failure, OSError):
+            problem = missing_file(name, tier, failure)
+        mine = _Refusal(type(failure).__name__, str(failure), problem,
+                        isinstance(failure, PERMANENT_ERRORS), refusal_details(failure))
+    verdicts = comm.all_gather(mine) if comm.distributed else [mine]
+    refused = {rank: v for rank, v in enumerate(verdicts) if v is not None}
+    if not refused:
+        return
+    hard = {rank: v for rank, v in refused.items() if v.problem is None}
+    if not hard:
+        raise AgreedProblem(refused[min(refused)].problem) from failure  # type: ignore[arg-type]
+    raise refused_error(name, {r: f"{v.kind}: {v.reason}" for r, v in hard.items()},
+                        {r: v.kind for r, v in hard.items()},
+                        permanent=any(v.permanent for v in hard.values()),
+                        details=hard[min(hard)].details) from failure
+
+
+def missing_file(name: str, tier: CommitTier, exc: OSError) -> Problem:
+    """A file the load could not read, named by its path in the generation where it can be."""
+    filename, marker = str(exc.filename or ""), f"{name}/"
+    path = filename.split(marker, 1)[1] if marker in filename else None
+    return Problem(name, f"{type(exc).__name__}: {exc.strerror or exc}", path, tier=tier.url)
+
+
 def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
               template_for: Callable[[Metadata], dict], scratch_parent: str | None,
               one_pass: bool) -> dict:
     """DCP load (all ranks) into the template ``template_for`` builds from the generation's
-    metadata, which it returns; a verification failure on any rank becomes one
-    ``ValidationError`` naming each failing rank's file."""
-    reader = tier.open_reader(name, manifest, scratch_parent)
-    one_pass = one_pass or reader.needs_local_copy
-    verifying = OnePassReader(reader, comm, name, manifest) if one_pass else None
-    storage_reader = verifying if verifying is not None else reader.storage_reader
+    metadata, which it returns. Opening the reader, the metadata, ``template_for`` (the
+    fit checks) and the layout check are agreed on before ``dcp.load``; a verification
+    failure during the load, on any rank, becomes one ``ValidationError`` naming each
+    failing rank's file."""
+    reader: GenerationReader | None = None
+    verifying: OnePassReader | None = None
     try:
-        if verifying is not None:  # hashed while DCP plans: the rank's own shards
-            verifying.prefetch(own_shards(manifest, comm.rank))
-        metadata = reader.read_metadata()
-        template = template_for(metadata)
-        check_layout(name, metadata, template)  # before anything is written into
-        if comm.distributed:
-            dcp.load(template, storage_reader=storage_reader, process_group=comm.group)
-        else:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(template, storage_reader=storage_reader)
+        failure: BaseException | None = None
+        try:
+            faults.hit("restore.read", comm.rank)
+            reader = tier.open_reader(name, manifest, scratch_parent)
+            if one_pass or reader.needs_local_copy:  # hashed while DCP plans: the rank's own shards
+                verifying = OnePassReader(reader, comm, name, manifest)
+                verifying.prefetch(own_shards(manifest, comm.rank))
+            metadata = reader.read_metadata()
+            template = template_for(metadata)
+            check_layout(name, metadata, template)  # before anything is written into
+        except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
+            failure = exc
+        agree_before_load(comm, tier, name, failure)
+        assert reader is not None
+        storage_reader = verifying if verifying is not None else reader.storage_reader
+        try:
+            if comm.distributed:
+                dcp.load(template, storage_reader=storage_reader, process_group=comm.group)
+            else:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(template, storage_reader=storage_reader)
+        except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
+            failed = verification_failures(exc, reader.errors, comm.rank)
+            if not failed:
+                raise
+            first = failed[min(failed)]
+            raise ValidationError(f"{name} could not be loaded: {per_rank(failed)}", generation=name,
+                                  path=getattr(first, "path", None)) from exc
         return template
-    except (CheckpointException, Exception) as exc:  # DCP wraps failures; surface ours as ours
-        failed = verification_failures(exc, reader.errors, comm.rank)
-        if not failed:
-            raise
-        first = failed[min(failed)]
-        raise ValidationError(f"{name} could not be loaded: {per_rank(failed)}", generation=name,
-                              path=getattr(first, "path", None)) from exc
     finally:
         if verifying is not None:
             verifying.close()
-        reader.close()
+        if reader is not None:
+            reader.close()

@@ -122,8 +122,9 @@ def _check(ctx: Context, tier: CommitTier, name: str, manifest: Manifest) -> Non
 
 def _check_contract(ctx: Context, manifest: Manifest) -> None:
     try:
-        contract_mod.check(manifest.contract, ctx.state.contract,
-                           allow_change=ctx.config.allow_contract_change)
+        contract_mod.check(manifest.contract, ctx.state.contract_spec,
+                           allow_change=ctx.config.allow_contract_change,
+                           saved_values=manifest.contract_values)
     except DistCkptError as exc:
         raise RehearsalFailed(manifest.generation, "contract", str(exc)) from exc
     missing = [c for c in ctx.state.components if c not in manifest.components]

@@ -15,8 +15,11 @@ installed in place by T (``FileRepairs.replace_file``): the damaged copy goes to
 generations (``objects/<name>``) is repaired the same way, per object, where it lies
 (``ROOT/objects/<name>``): one repair serves every generation that references it. Its name is
 its digest, so the source is the other tier's ``objects/<name>`` whatever generations that
-tier holds (its bytes are checked against T's entry all the same). A damaged
-shared object that no tier holds a good copy of is moved aside all the same (no
+tier holds (its bytes are checked against T's entry all the same). Before any other tier, a
+shared object's first source is its second copy on T itself (``objects-copy/<name>``, which
+a root without a mirror keeps: ``CheckpointConfig.object_copies``, docs/incremental.md), so
+a root alone recovers from one damaged object. A damaged shared object that no tier holds a
+good copy of (nor T's second copy) is moved aside all the same (no
 generation listing it can load; a later replay must not find it and reference it again), and
 restore falls back past every generation that lists it. A tier without ``FileRepairs`` (an
 object-store root) is never repaired in place; restore then reads G from another tier or
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .. import logs
@@ -49,6 +53,7 @@ from ..format.manifest import (
     is_object_path,
     regular_file_size,
 )
+from ..format.objects import copy_path
 from ..format.validate import Problem, check_digests, check_entry, read_manifest
 from ..protocol.comm import Comm
 from ..storage.base import StoreReader
@@ -65,7 +70,7 @@ class RepairedFile:
 
     generation: str
     path: str
-    source: str  # the tier it came from: "memory", "root" or "mirror"
+    source: str  # the tier it came from: "memory", "root" or "mirror"; "root's second copy"
     reason: str  # why the replaced copy was rejected
     kept: str | None = None  # where the damaged copy went (None: it was missing)
 
@@ -107,7 +112,12 @@ class Repairer:
             return False  # the same inputs on every rank: all skip the all-gather together
         self._tried.add((problem.generation, tier.url, path))
         holder = self.comm.rank == (self.comm.fs_leader if tier is self.tiers.target else 0)
-        outcome = self._repair_here(tier, problem.generation, path, problem.reason) if holder else None
+        outcome = None
+        if holder:
+            try:
+                outcome = self._repair_here(tier, problem.generation, path, problem.reason)
+            except Exception as exc:  # noqa: BLE001 - a holder that raised would leave the all-gather
+                outcome = ("failed", f"{type(exc).__name__}: {exc}", None)
         outcomes = [o for o in self.comm.all_gather(outcome) if o is not None]
         failed = [o[1] for o in outcomes if o[0] == "failed"]
         fixed = [o for o in outcomes if o[0] == "repaired"]
@@ -147,17 +157,17 @@ class Repairer:
         except (DistCkptError, OSError):
             pass
         assert isinstance(tier, FileRepairs)
-        for source in (t for t in self.tiers.newest_first() if t is not tier):
-            scratch = self._fetch(source, tier, generation, manifest, entry)
+        for label, store, rel in self._sources(tier, generation, manifest, entry):
+            scratch = self._fetch(label, store, rel, tier, generation, entry)
             if scratch is None:
                 continue
             try:
                 kept = tier.replace_file(generation, manifest, path, os.path.join(scratch, path), reason)
             except (DistCkptError, OSError) as exc:
-                return "failed", f"cannot install the copy from {self.role(source)}: {exc}", None
+                return "failed", f"cannot install the copy from {label}: {exc}", None
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-            return "repaired", self.role(source), kept
+            return "repaired", label, kept
         if is_object_path(path):
             self._set_aside(tier, generation, manifest, path, reason)
         return "failed", "no other tier holds a good copy of the same save", None
@@ -173,34 +183,46 @@ class Repairer:
         except (DistCkptError, OSError) as exc:
             log.warning("cannot move the damaged %s of %s aside: %s", path, self.role(tier), exc)
 
-    def _fetch(self, source: CommitTier, tier: FileRepairs, generation: str, manifest: Manifest,
-               entry: FileEntry) -> str | None:
-        """``source``'s copy of ``entry`` in a new directory from ``tier.repair_dir``, checked
-        against ``manifest``; None when ``source`` holds no good copy of the same save. A shared
-        object is named by its digest and checked against ``entry``'s: ``source``'s
-        ``objects/<name>`` serves whichever of its generations lists it, or none."""
+    def _sources(self, tier: CommitTier, generation: str, manifest: Manifest,
+                 entry: FileEntry) -> Iterator[tuple[str, StoreReader, str]]:
+        """Each candidate copy of ``entry`` as (label, store, path in that store), nearest first.
+        A shared object's second copy on ``tier`` itself (``objects-copy/<name>``, written with
+        it where no mirror holds the objects: ``CheckpointConfig.object_copies``) comes first:
+        on the same filesystem, and without it a root alone would have no source at all. Then
+        the other tiers (memory, root, mirror). A shared object is named by its digest:
+        another tier's ``objects/<name>`` serves whichever of its generations lists it, or
+        none; any other file only from a copy of the same save (the same ``identity()``)."""
         if is_object_path(entry.path):
-            rel = entry.path
-        else:
+            second = copy_path(entry.path)
+            if tier.store.exists(second):
+                yield f"{self.role(tier)}'s second copy", tier.store, second
+        for source in (t for t in self.tiers.newest_first() if t is not tier):
+            if is_object_path(entry.path):
+                yield self.role(source), source.store, entry.path
+                continue
             try:
                 theirs = read_manifest(source.store, generation, key=self.key)
             except (DistCkptError, OSError):
-                return None  # not there, or not trusted
+                continue  # not there, or not trusted
             if theirs.identity() != manifest.identity():
                 log.info("%s in %s is another save of that update: not a source for %s",
                          generation, self.role(source), entry.path)
-                return None
-            rel = theirs.where(entry.path)
+                continue
+            yield self.role(source), source.store, theirs.where(entry.path)
+
+    def _fetch(self, label: str, store: StoreReader, rel: str, tier: FileRepairs, generation: str,
+               entry: FileEntry) -> str | None:
+        """``store``'s ``rel`` copied into a new directory from ``tier.repair_dir``, checked
+        against ``entry`` (size and digest); None when it is not a good copy."""
         try:
             scratch = tier.repair_dir(generation)
         except OSError as exc:
             log.warning("cannot repair %s/%s: %s", generation, entry.path, exc)
             return None
         try:
-            copy_checked(source.store, rel, os.path.join(scratch, entry.path), entry, generation)
+            copy_checked(store, rel, os.path.join(scratch, entry.path), entry, generation)
         except (DistCkptError, OSError) as exc:
-            log.info("%s holds no good copy of %s/%s: %s", self.role(source), generation,
-                     entry.path, exc)
+            log.info("%s holds no good copy of %s/%s: %s", label, generation, entry.path, exc)
             shutil.rmtree(scratch, ignore_errors=True)
             return None
         return scratch

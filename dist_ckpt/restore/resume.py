@@ -18,10 +18,14 @@ import functools
 import hashlib
 from collections.abc import Iterable
 
+from torch.distributed.checkpoint import CheckpointException
+
 from .. import faults, logs, runinfo
 from ..context import Context
 from ..errors import (
+    NoValidGeneration,
     RestoreError,
+    RestoreRefused,
     StorageError,
     UnsafeFileError,
     UntrustedGenerations,
@@ -38,14 +42,15 @@ from ..format.validate import Problem
 from ..storage.base import read_bounded
 from ..tiers.base import CommitTier
 from . import quarantine
-from .loader import RestoreResult, load_generation, select_generation
+from .loader import AgreedProblem, RestoreResult, load_generation, missing_file, select_generation
 from .repair import Repairer
 
 log = logs.get("dist_ckpt.manager")
 
 
 def resume(ctx: Context, components: Iterable[str] | None,
-           allow_contract_change: bool | None, verify_digests: bool) -> RestoreResult:
+           allow_contract_change: bool | None, verify_digests: bool,
+           on_all_rejected: str | None = None) -> RestoreResult:
     tiers = ctx.tiers.newest_first()
     repair = Repairer(ctx.comm, ctx.tiers, ctx.config.signing_key)
     # with digests on, the shards are hashed by the load itself: every byte is read once
@@ -59,6 +64,10 @@ def resume(ctx: Context, components: Iterable[str] | None,
         raise UntrustedGenerations(
             f"the signing key rejects every generation under {ctx.config.root} "
             f"({len(rejected)}; first: {rejected[0]}); a fresh start would discard them")
+    fresh_ok = (on_all_rejected or ctx.config.on_all_rejected) == "fresh" or (
+        bool(rejected) and all(p.signature for p in rejected) and ctx.config.on_key_rejects_all == "fresh")
+    if name is None and not fresh_ok:
+        refuse_fresh_start(ctx, rejected)  # before anything is moved aside: the next start sees them too
     quarantine.move_blocking(ctx.comm, ctx.tiers.root, rejected, name)
     notes = ctx.comm.broadcast(pointer_warnings(ctx) if ctx.comm.rank == 0 else None)
     allow = ctx.config.allow_contract_change if allow_contract_change is None \
@@ -76,6 +85,8 @@ def resume(ctx: Context, components: Iterable[str] | None,
         late.append(problem)
         name, manifest, tier, more = select(skip=frozenset((p.generation, p.tier or "") for p in late))
         late += more
+    if name is None and late and not fresh_ok:
+        refuse_fresh_start(ctx, rejected + late)
     if late:
         rejected += late
         quarantine.move_blocking(ctx.comm, ctx.tiers.root, late, name)
@@ -108,22 +119,25 @@ def _load_agreed(ctx: Context, tier: CommitTier, name: str, manifest: Manifest,
             ctx.comm, tier, ctx.state, name, manifest, components, allow_contract_change=allow,
             strict_torch_version=ctx.config.strict_torch_version, scratch_parent=ctx.config.cache_dir,
             one_pass=one_pass)
+    except AgreedProblem as exc:  # agreed before the load began: every rank is here
+        return None, exc.problem
+    except RestoreRefused:  # agreed before the load began: every rank raises it
+        raise
     except ValidationError as exc:
         problem = Problem(name, str(exc), exc.path, tier=tier.url)
     except OSError as exc:  # a file this rank reads is absent from this tier's copy (a node-local
         # copy holds its node's ranks' files: ranks placed on other nodes than before miss theirs)
-        problem = _missing(name, tier, exc)
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after the all-gather
+        problem = missing_file(name, tier, exc)
+    except (CheckpointException, Exception) as exc:  # noqa: BLE001 - re-raised below, after the all-gather
         failure = exc
     # every rank reaches this all-gather, whatever its load raised: one rank leaving restore
     # early would leave the others blocked in it
     why = None if failure is None else f"{type(failure).__name__}: {failure}"
     verdicts = ctx.comm.all_gather((problem, why))
-    if failure is not None:
-        raise failure
     failed = {rank: why for rank, (_, why) in enumerate(verdicts) if why is not None}
-    if failed:
-        raise RestoreError(f"loading {name} failed on rank(s) {sorted(failed)}", failures=failed)
+    if failed:  # the same error on every rank, chained to its own cause where it failed
+        raise RestoreError(f"loading {name} failed on rank(s) {sorted(failed)}",
+                           failures=failed) from failure
     problems = [p for p, _ in verdicts if p is not None]
     if not problems:
         return result, None
@@ -133,11 +147,18 @@ def _load_agreed(ctx: Context, tier: CommitTier, name: str, manifest: Manifest,
     return None, problems[0]
 
 
-def _missing(name: str, tier: CommitTier, exc: OSError) -> Problem:
-    """A file the load could not read, named by its path in the generation where it can be."""
-    filename, marker = str(exc.filename or ""), f"{name}/"
-    path = filename.split(marker, 1)[1] if marker in filename else None
-    return Problem(name, f"{type(exc).__name__}: {exc.strerror or exc}", path, tier=tier.url)
+def refuse_fresh_start(ctx: Context, rejected: list[Problem]) -> None:
+    """Every rank, with the same agreed rejections: raise :class:`NoValidGeneration` when
+    they include a committed generation (a directory without a manifest is no progress of
+    the run: starting without it is no loss). Rank 0 logs each rejection once."""
+    committed = [p for p in rejected if p.committed]
+    if not committed:
+        return
+    if ctx.comm.rank == 0:
+        for problem in committed:
+            log.error("rejected generation %s", problem)
+    runinfo.report(ctx.comm.rank, rejected=[str(p) for p in rejected])
+    raise NoValidGeneration(ctx.config.root, [str(p) for p in committed])
 
 
 def pointer_warnings(ctx: Context) -> list[str]:

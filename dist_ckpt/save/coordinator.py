@@ -24,6 +24,7 @@ node-copy (``published``) key acknowledge it; the rank that set it deletes it on
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import pickle
 import threading
@@ -37,10 +38,12 @@ from torch.distributed.checkpoint.planner import SavePlan
 from .. import faults
 from ..digests import digest_bytes
 from ..errors import CommitError
-from ..format.manifest import DCP_DIR, GLOBAL_STATE_FILE, OBJECTS_DIR, STATE_DIR, rank_state_file
+from ..format.manifest import DCP_DIR, GLOBAL_STATE_FILE, OBJECTS_DIR, STATE_DIR, FileEntry, rank_state_file
+from ..format.objects import write_copies
 from ..protocol import messages
 from ..protocol.comm import Comm
 from ..protocol.messages import CommitOutcome, RankReport
+from ..storage.directio import durable_file
 from ..storage.local import fsync_dir, write_durable
 from ..tiers.base import remove_own_files
 from .commit import commit
@@ -125,6 +128,7 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
                                             request.reuse, _chunk_of(plan))
             object_entries = _unique(object_entries + written)
             fsync_dir(os.path.join(local_dir, OBJECTS_DIR))
+            _second_copies(request, written, cancel)
     except Exception as exc:
         # files this rank began are in no report: nobody else knows to remove them
         # peers may still be writing into the same directories: only this rank's files go
@@ -151,6 +155,20 @@ def write_rank_files(request: SaveRequest, rank: int, io_threads: int,
     fsync_dir(state_dir)
     faults.hit("write.after", rank)
     return entries, pickle.dumps(results + reused_results)
+
+
+def _second_copies(request: SaveRequest, written: list[dict], cancel: threading.Event) -> None:
+    """The second copy of each new object, where the tier keeps one (a root no mirror backs:
+    ``CheckpointConfig.object_copies``, docs/incremental.md): written by the rank that wrote
+    the first, so the ranks copy in parallel, within the same deadline."""
+    attempt = request.attempt
+    # only a tier that keeps shared objects on a filesystem declares it (tiers/rename.py)
+    if getattr(attempt, "object_copies", 1) < 2 or not written:
+        return
+    sink = functools.partial(durable_file, direct=attempt.direct_io)
+    if not write_copies(attempt.local_dir, [FileEntry(**e) for e in written], attempt.generation,
+                        open_target=sink, stop=cancel.is_set):
+        raise SaveAbandoned("the commit deadline passed while writing second copies: not finished")
 
 
 def _chunk_of(plan: SavePlan) -> Callable[[MetadataIndex], tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..digests import DEFAULT_ALGORITHM
 from ..errors import CommitError
@@ -23,6 +24,7 @@ class ManifestInfo:
     contract: dict[str, str]
     contract_digest: str
     dist_ckpt_version: str
+    contract_values: dict[str, Any] | None = None  # canonical JSON of the contract's fields
 
 
 @dataclass

@@ -280,6 +280,9 @@ class TierOptions:
     upload_verification: str = "checksum"
     # CheckpointConfig.direct_io: whether a local tier writes its files past the page cache
     direct_io: bool | str = "auto"
+    # copies of each new shared object a local root keeps (CheckpointConfig.object_copies; the
+    # manager passes 1 where a mirror holds them): 2 adds ROOT/objects-copy/<name>
+    object_copies: int = 1
 
 
 TierFactory = Callable[[str, TierOptions], CommitTier]

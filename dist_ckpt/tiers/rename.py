@@ -31,7 +31,7 @@ from ..format.manifest import (
     parse_generation,
     pending_dir_name,
 )
-from ..format.objects import holds_object, install_objects
+from ..format.objects import holds_object, install_objects, write_copies
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, move_latest
 from ..storage.base import is_remote
@@ -61,6 +61,7 @@ class RenameAttempt:
         self.replay = source_dir is not None
         self.shared = tier.shared
         self.direct_io = tier.direct_io
+        self.object_copies = tier.object_copies  # a save's writer reads it (save/coordinator.py)
         # a replay (the memory tier's persistence) copies into its own pending directory: the
         # source generation stays where it is, committed
         self.local_dir = os.path.join(tier.root, pending_dir_name(generation, attempt_id))
@@ -70,17 +71,24 @@ class RenameAttempt:
         this attempt's pending directory, hashed on the way. A shared object (``objects/<name>``,
         in the source tier's ``objects/``) is copied to ``pending/objects/<name>`` only when
         this root's ``objects/`` lacks it or holds it with another size; the publish installs
-        it (``install_objects``, before the rename). One this root holds is not copied again:
-        the replay's publish checks that it is still there (``Replayer._commit``)."""
+        it (``install_objects``, before the rename), with its second copy where this root keeps
+        one (``object_copies``). One this root holds is not copied again: the replay's publish
+        checks that it is still there (``Replayer._commit``)."""
         if not self.replay:
             return  # written in place and fsynced by the writer: the rename publishes them
         assert self.source_dir is not None
+        sink = functools.partial(durable_file, direct=self.direct_io)
+        copied: list[FileEntry] = []
         for entry in (FileEntry(**fields) for fields in entries):
             if is_object_path(entry.path) and holds_object(self.tier.store, entry):
                 continue
             copy_verified(listed_source(self.source_dir, entry.path),
                           os.path.join(self.local_dir, entry.path), entry, self.generation,
-                          open_target=functools.partial(durable_file, direct=self.direct_io))
+                          open_target=sink)
+            copied.append(entry)
+        if self.object_copies > 1:  # the memory it came from is not a lasting second copy
+            write_copies(self.local_dir, [e for e in copied if is_object_path(e.path)],
+                         self.generation, open_target=sink)
 
     def publish(self, manifest: Manifest, signing_key: bytes | None) -> bytes:
         raw = manifest.to_bytes()
@@ -139,13 +147,16 @@ class RenameTier:
     reshards = True
 
     def __init__(self, root: str, local_ranks: frozenset[int] | None = None, *,
-                 direct_io: bool | str = "auto") -> None:
+                 direct_io: bool | str = "auto", object_copies: int = 1) -> None:
         self.store = LocalStore(root)
         self.root = self.store.root
         self.url = self.root
         self.local_root = self.root
         self.local_ranks = local_ranks
         self.direct_io = resolve_direct_io(direct_io, self.root)
+        # 2: each new shared object also gets ROOT/objects-copy/<name> (format/objects.py);
+        # the manager asks for it where no mirror holds the objects (TierOptions)
+        self.object_copies = object_copies
 
     def begin(self, generation: str, attempt_id: str, *,
               source_dir: str | None = None) -> RenameAttempt:
@@ -189,4 +200,5 @@ class RenameTier:
 
 
 register_tier(lambda url: not is_remote(url),
-              lambda url, options: RenameTier(url.removeprefix("file://"), direct_io=options.direct_io))
+              lambda url, options: RenameTier(url.removeprefix("file://"), direct_io=options.direct_io,
+                                              object_copies=options.object_copies))

@@ -14,7 +14,7 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, ValidationError
 from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.manifest import LATEST_NAME, generation_name
 from dist_ckpt.format.validate import validate
-from tests.helpers.local_jobs import make_state, two_generations
+from tests.helpers.local_jobs import damage, make_state, two_generations
 from tests.helpers.matrix import record, timed
 from tests.helpers.roots import TwoGenRoot
 
@@ -26,18 +26,6 @@ TARGETS = {
     "rank state file": "state/rank-00000.json",
     "manifest": "manifest.json",
 }
-
-
-def damage(path: str, how: str) -> None:
-    size = os.path.getsize(path)
-    with open(path, "r+b") as handle:
-        if how == "truncate":
-            handle.truncate(size // 2)
-        else:
-            handle.seek(size // 2)
-            byte = handle.read(1)
-            handle.seek(size // 2)
-            handle.write(bytes([byte[0] ^ 0x01]))
 
 
 def restore(root: str):

@@ -59,9 +59,11 @@ def restore(rank: int, world: int, kind: str, root: str, **config: Any) -> dict:
     manager's other fields (a mirror, say)."""
     job = Job(kind, rank, world, seed=99)
     mgr = manager(job, root, **config)
-    result = mgr.restore()
+    try:
+        result = mgr.restore()
+    finally:
+        mgr.close()
     full = job.full()
-    mgr.close()
     if dist.is_initialized():
         dist.barrier()
     return {"generation": result.generation, "tier": result.tier, "full": full,

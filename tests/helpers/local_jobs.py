@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
@@ -44,3 +46,15 @@ def load_with_plain_dcp(dcp_dir: str, fresh: TrainState) -> None:
 def assert_same_model(loaded: TrainState, saved: TrainState) -> None:
     for name, value in saved.model.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[name], value), name
+
+
+def damage(path: str, how: str) -> None:
+    size = os.path.getsize(path)
+    with open(path, "r+b") as handle:
+        if how == "truncate":
+            handle.truncate(size // 2)
+        else:
+            handle.seek(size // 2)
+            byte = handle.read(1)
+            handle.seek(size // 2)
+            handle.write(bytes([byte[0] ^ 0x01]))
