@@ -14,6 +14,7 @@ outcome; every rank tells the launcher where it resumed from.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Iterable
@@ -120,7 +121,9 @@ def _load_agreed(ctx: Context, tier: CommitTier, name: str, manifest: Manifest,
             strict_torch_version=ctx.config.strict_torch_version, scratch_parent=ctx.config.cache_dir,
             one_pass=one_pass)
     except AgreedProblem as exc:  # agreed before the load began: every rank is here
-        return None, exc.problem
+        # this rank's url of the tier, as below: the next selection skips by it on every rank
+        problem = dataclasses.replace(exc.problem, tier=tier.url)
+        return None, problem
     except RestoreRefused:  # agreed before the load began: every rank raises it
         raise
     except ValidationError as exc:
