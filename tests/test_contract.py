@@ -220,3 +220,18 @@ def test_a_restore_names_the_changed_key(tmp_path) -> None:
         with pytest.raises(ContractMismatch) as caught:
             mgr.restore()
     assert "config.lora.r: saved 16, now 8" in str(caught.value)
+
+
+@pytest.mark.processes
+def test_a_set_in_the_contract_restores_under_another_hash_seed_on_two_ranks(tmp_path, monkeypatch) -> None:
+    # issue 38: fresh interpreters (spawn), so each run's ranks hash strings with the seed given
+    from dist_ckpt.testing import START_ENV, run_ranks
+    from tests.helpers import disagree_jobs
+
+    root = str(tmp_path / "root")
+    monkeypatch.setenv(START_ENV, "spawn")
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    assert run_ranks(2, disagree_jobs.save_with_a_set, root) == ["1:1", "1:1"]
+    for seed in ("2", "3"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+        assert run_ranks(2, disagree_jobs.restore_with_a_set, root) == ["gen-000000000001"] * 2

@@ -7,6 +7,8 @@ of the load that the refusing rank never entered.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import Any
 
@@ -51,3 +53,20 @@ def save_then_disagree(rank: int, world: int, root: str, case: str) -> dict[str,
             return {"error": None, "seconds": time.monotonic() - started}
     finally:
         faults.configure(None)
+
+
+LORA = {"r": 16, "target_modules": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"}}
+
+
+def save_with_a_set(rank: int, world: int, root: str) -> str:
+    """All ranks: one generation whose contract holds a set (as PEFT's LoraConfig.to_dict())."""
+    with CheckpointManager(CheckpointConfig(root=root, async_save=False),
+                           _state(8, {"config": {"lora": LORA}})) as mgr:
+        mgr.save(1)
+    return str(sys.flags.hash_randomization) + ":" + os.environ.get("PYTHONHASHSEED", "")
+
+
+def restore_with_a_set(rank: int, world: int, root: str) -> str | None:
+    """All ranks: restore that generation; the generation restored (None: fresh)."""
+    with CheckpointManager(CheckpointConfig(root=root), _state(8, {"config": {"lora": LORA}})) as mgr:
+        return mgr.restore().generation
