@@ -157,8 +157,10 @@ class Watchdog:
         started = any(p.update is not None for p in progress)
         tearing_down = bool(marks) and self._finishing >= set(marks)
         timeout = self.timeout_s() if started and not tearing_down else self.startup_timeout
-        if started and not tearing_down:
-            held = self._holding_waiters(progress, now, timeout)
+        if started:
+            # after finish, ranks that left it exit without marking: only a stopped process
+            # is known not to be exiting
+            held = self._holding_waiters(progress, now, self.timeout_s(), stopped_only=tearing_down)
             if held is not None:
                 return held
         last = max([self.launched, *(p.at_s for p in progress)])
@@ -176,11 +178,13 @@ class Watchdog:
             head += f"; suspect{'s' if len(suspects) > 1 else ''} {named}"
         return Hung(head, tuple(p.rank for p in suspects))
 
-    def _holding_waiters(self, progress: list[_Progress], now: float, timeout: float) -> Hung | None:
-        """Hung when a rank made no progress for ``timeout`` while a peer waits in a section."""
+    def _holding_waiters(self, progress: list[_Progress], now: float, timeout: float,
+                         stopped_only: bool = False) -> Hung | None:
+        """Hung when a rank made no progress for ``timeout`` while a peer waits in a section
+        (``stopped_only``: only a rank whose process is stopped counts)."""
         waiters = [p for p in progress if p.waiting]
         stale = [p for p in progress if not p.waiting and p.update is not None and p.past_deadline_s == 0
-                 and now - p.at_s > timeout]
+                 and now - p.at_s > timeout and (p.stopped or not stopped_only)]
         if not waiters or not stale:
             return None
         section = waiters[0].section

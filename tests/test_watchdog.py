@@ -244,3 +244,15 @@ def test_ranks_all_outside_sections_keep_the_furthest_behind_rule() -> None:
     assert dog.observe(training, 159.0) is None  # rank 0's mark is within the timeout
     hung = dog.observe(training, 161.0)
     assert hung is not None and hung.suspects == (1,)
+
+
+def test_a_rank_stopped_inside_finish_is_found_within_the_hang_timeout() -> None:
+    # after finish the startup timeout covers the exits; a stopped process is no exit
+    dog = Watchdog(60, 900)
+    dog.begin(0.0)
+    finishing = marks(M(0, 12, 100.0, section="finish", deadline_s=800.0),
+                      M(1, 12, 100.0, section="finish", deadline_s=800.0))
+    assert dog.observe(finishing, 150.0) is None
+    assert dog.observe(finishing, 170.0) is None  # both running: the teardown may take long
+    hung = dog.observe(finishing, 161.0, stopped=frozenset({1}))
+    assert hung is not None and hung.suspects == (1,) and "wait in finish" in hung.reason
