@@ -120,7 +120,8 @@ ROWS = [
         "no rank waits in a collective of the load",
         [f"{F}/test_restore_agreement.py"]),
     Row("every committed generation rejected", "a bit flipped in every generation's shard, no other "
-        "tier; a shared object damaged in one or both of its copies (incremental)", "NoValidGeneration naming them, nothing moved aside; "
+        "tier; a shared object damaged in one or both of its copies (incremental)",
+        "NoValidGeneration naming them, nothing moved aside; "
         "on_all_rejected='fresh' starts over; one damaged copy: the newest generation repaired",
         [f"{F}/test_all_rejected.py", "tests/test_incremental_copies.py"]),
     Row("object swapped after validation", "a shard, .metadata or state file replaced between "
