@@ -31,6 +31,7 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, runinfo  
 from dist_ckpt.memory import paths as shm  # noqa: E402
 from dist_ckpt.save.staging import local_tensors  # noqa: E402
 from dist_ckpt.testing import run_ranks  # noqa: E402
+from scripts.bench.rawio import evict  # noqa: E402
 
 WIDTH = 1024
 
@@ -127,18 +128,6 @@ def resume(rank: int, world: int, root: str, shm_dir: str, memory: bool, mib: in
         step(model, optimizer)
         return {"resume_s": time.perf_counter() - began, "restore_s": restored - began,
                 "tier": result.tier, "generation": result.generation}
-
-
-def evict(root: str) -> None:
-    """Drop the disk root's files from the page cache (they are fsynced, so clean): the disk
-    resume then reads the disk, as after a reboot or on a cold node."""
-    for parent, _dirs, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def main() -> None:

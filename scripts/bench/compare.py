@@ -65,6 +65,7 @@ from .compare_methods import (
     dcp_state,
     lazy_supported,
 )
+from .rawio import evict
 
 
 @dataclass
@@ -228,19 +229,6 @@ def dcp_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str
     state = dcp_state(model, optimizer)
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def evict(directory: str) -> None:
-    """Drop every file below ``directory`` from the page cache (``POSIX_FADV_DONTNEED``; the
-    files are written and fsynced, so nothing dirty is left to keep): the next read is cold,
-    as a restarted job's is."""
-    for parent, _, names in os.walk(directory):
-        for name in names:
-            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def measure_restore(mgr: CheckpointManager, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

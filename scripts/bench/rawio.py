@@ -71,3 +71,16 @@ def generation_files(root: str) -> tuple[str, list[tuple[str, int]], int]:
     manifest = validate(tier.store, name, digests=False)
     files = [(os.path.join(root, name, manifest.location(f.path)), f.size) for f in manifest.files]
     return name, files, manifest.total_bytes
+
+
+def evict(directory: str) -> None:
+    """Drop every file below ``directory`` from the page cache (``POSIX_FADV_DONTNEED``; the
+    files are written and fsynced, so nothing dirty is left to keep): the next read is cold,
+    as a restarted job's or a cold node's is."""
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
