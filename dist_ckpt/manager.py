@@ -25,7 +25,6 @@ from .context import Context, Tiers
 from .errors import (
     CommitError,
     ConfigError,
-    DistCkptError,
     GenerationExists,
     NotAtOptimizerBoundary,
 )
@@ -79,19 +78,6 @@ def _close_at_exit() -> None:
             manager.close()
         except Exception:  # noqa: BLE001 - an unraised save failure: logged, the exit goes on
             log.exception("closing a CheckpointManager at interpreter exit")
-
-
-def reports_permanent(method):
-    """Tell the launcher about an error no restart can cure before raising it."""
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        except DistCkptError as exc:
-            if runinfo.is_permanent(exc):
-                runinfo.report_failure(exc)
-            raise
-    return wrapper
 
 
 class CheckpointManager:
@@ -172,7 +158,7 @@ class CheckpointManager:
             raise error
 
     # ---- save ------------------------------------------------------------------------
-    @reports_permanent
+    @runinfo.reports_permanent
     def save(self, next_update: int, *, tokens_seen: int | None = None) -> SaveJob | None:
         """Snapshot the state as generation ``next_update`` (all ranks, same arguments).
 
@@ -278,7 +264,7 @@ class CheckpointManager:
         else:
             self.marks.mark(update)
 
-    @reports_permanent
+    @runinfo.reports_permanent
     def finish(self, final_update: int, *, tokens_seen: int | None = None) -> DoneRecord:
         """End the run (all ranks): commit generation ``final_update`` (unless a restart
         finds it committed already), wait for it and for the mirror, then write
@@ -443,7 +429,7 @@ class CheckpointManager:
             raise CommitError("CheckpointManager is closed")
 
     # ---- restore and listing ---------------------------------------------------------
-    @reports_permanent
+    @runinfo.reports_permanent
     def restore(self, *, components: Iterable[str] | None = None,
                 allow_contract_change: bool | None = None,
                 verify_digests: bool = True,

@@ -14,6 +14,7 @@ file, so later calls add to earlier ones.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ from . import logs
 from .errors import (
     ConfigError,
     ContractMismatch,
+    DistCkptError,
     InsufficientSpace,
     LayoutMismatch,
     NoValidGeneration,
@@ -131,6 +133,20 @@ def report_failure(exc: BaseException, rank: int | None = None) -> None:
     report(rank, failure={"error": error_name(exc), "message": str(exc), "permanent": is_permanent(exc)})
     if is_permanent(exc) and under_launcher():
         print_refusal_once(exc, env_rank() if rank is None else rank)
+
+
+def reports_permanent(method):
+    """Decorator of the manager's public methods: tell the launcher about an error no restart
+    can cure before raising it."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except DistCkptError as exc:
+            if is_permanent(exc):
+                report_failure(exc)
+            raise
+    return wrapper
 
 
 def print_refusal_once(refusal: BaseException, rank: int) -> None:
