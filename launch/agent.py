@@ -6,6 +6,13 @@ same from a fresh interpreter. It runs torchrun in-process so that the per-rank 
 code, signal, error message) come back as data, and writes them to RESULT.json (atomic replace)
 before exiting. A separate
 process per start gives every start a fresh rendezvous and a fresh c10d store.
+
+With torchrun's ``--run-path`` the workers are not fresh interpreters: torchrun starts each with
+``multiprocessing`` (``--start-method``: ``fork`` from this process, which has torch imported,
+or a ``forkserver`` that preloads torch and dist_ckpt) and runs the script in it with ``runpy``.
+Each such worker first makes itself the leader of a session of its own, as torchrun's
+interpreter workers are (``start_new_session``), so that the launcher's end of a start (a
+signal to each worker's process group) reaches the worker and everything it started.
 """
 
 from __future__ import annotations
@@ -13,15 +20,17 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-from torch.distributed.run import parse_args, run
 
 from dist_ckpt import launcher_api as api
 from dist_ckpt.launcher_api import atomic_write
@@ -29,6 +38,34 @@ from dist_ckpt.launcher_api import atomic_write
 MESSAGE_LIMIT = 4000
 CLOSED_RETRY_S = 60.0  # how long a start joins again a rendezvous still closed
 CLOSED_PAUSE_S = 1.0
+# what a --start-method forkserver worker finds imported: the script's own imports, mostly
+WORKER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
+                  "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "dist_ckpt"]
+_RUN_SCRIPT_PATH = torchrun.run_script_path
+
+
+def script_in_own_session(training_script: str, *script_args: str) -> None:
+    """torchrun's ``--run-path`` entry point, run by each worker: a session of its own, then
+    the script as ``__main__``. Module-level, so that ``spawn`` and ``forkserver`` can pickle it."""
+    os.setsid()
+    _RUN_SCRIPT_PATH(training_script, *script_args)
+
+
+@contextlib.contextmanager
+def _run_path_workers(args: Any) -> Iterator[None]:
+    """While torchrun runs: its ``--run-path`` entry point replaced by
+    :func:`script_in_own_session` (``run`` takes it from its module when it builds the
+    launch), and a fork server's preload set."""
+    if not args.run_path:
+        yield
+        return
+    if args.start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(WORKER_PRELOAD)
+    torchrun.run_script_path = script_in_own_session
+    try:
+        yield
+    finally:
+        torchrun.run_script_path = _RUN_SCRIPT_PATH
 
 
 def _failures(exc: ChildFailedError) -> dict[str, dict[str, Any]]:
@@ -46,13 +83,19 @@ def _parse(torchrun_argv: list[str], result: dict[str, Any]) -> Any:
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            return parse_args(torchrun_argv)
+            return torchrun.parse_args(torchrun_argv)
     except SystemExit as exc:
         text = captured.getvalue()
         sys.stderr.write(text)
         lines = [line for line in text.splitlines() if line.strip()]
         result["usage"] = (lines[-1] if lines else f"torchrun exited {exc.code}")[-MESSAGE_LIMIT:]
         return None
+
+
+def run(args: Any) -> None:
+    """torchrun's ``run``, with ``--run-path`` workers as the module docstring says."""
+    with _run_path_workers(args):
+        torchrun.run(args)
 
 
 def _run_once_open(args: Any) -> None:

@@ -2,17 +2,18 @@
 # Set up (idempotent) and run the tests: ruff, then pytest.
 #
 #   scripts/test.sh            every test, in two pytest sessions side by side on pytest-xdist
-#                              workers: first all but the launcher tests (DIST_CKPT_TEST_WORKERS,
-#                              default twice the cores, at most 8: most of a multi-process test's
-#                              time is waiting on its ranks), then the launcher tests two at a
-#                              time (each starts chains of fresh interpreters; more at once only
-#                              stretches every one). What CI runs.
+#                              workers: the launcher tests two at a time (each starts a chain of
+#                              launcher, torchrun agent and workers), beside all the others on
+#                              DIST_CKPT_TEST_WORKERS workers (default twice the cores, at most 8:
+#                              most of a multi-process test's time is waiting on its ranks). The
+#                              launcher session's output follows the other's. What CI runs.
 #   scripts/test.sh --quick    the inner loop: tests that start no process (no ranks, torchrun,
-#                              interpreter or server), in one process, about half a minute
+#                              interpreter or server), in one process, well under a minute
 #
 # Any other argument goes to pytest (a path, -k EXPR, -x ...). Every session prints its 25
-# slowest tests; one over 60 s fails the run unless marked @pytest.mark.long(reason=...)
-# (tests/conftest.py). JUnit reports go to .test-results/. docs/testing.md has the rules.
+# slowest tests and the CPU of its costliest test modules; one test over 60 s fails the run
+# unless marked @pytest.mark.long(reason=...) (tests/conftest.py). JUnit reports go to
+# .test-results/. docs/testing.md has the rules and the budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -29,10 +30,20 @@ if [ "${1:-}" = "--quick" ]; then
   exec "${pytest[@]}" -m "not processes" --junitxml=.test-results/quick.xml "$@"
 fi
 workers=${DIST_CKPT_TEST_WORKERS:-$(( $(nproc) * 2 > 8 ? 8 : $(nproc) * 2 ))}
+# the launcher session in the background, its output kept for after the other's
+"${pytest[@]}" -n 2 -m launcher --junitxml=.test-results/launcher.xml "$@" \
+  > .test-results/launcher.log 2>&1 &
+launcher_pid=$!
+trap 'kill "$launcher_pid" 2>/dev/null || true' EXIT
 status=0
 "${pytest[@]}" -n "$workers" -m "not launcher" --junitxml=.test-results/main.xml "$@" || status=$?
-# 5: nothing selected (a path or -k without launcher tests) is no failure
-"${pytest[@]}" -n 2 -m launcher --junitxml=.test-results/launcher.xml "$@" || {
-  code=$?; [ "$code" = 5 ] || status=$code; }
+launcher_status=0
+wait "$launcher_pid" || launcher_status=$?
+trap - EXIT
+echo "================ the launcher tests (their own session, run beside the above) ================"
+cat .test-results/launcher.log
+# 5: nothing selected (a path or -k that names no test of a session) is no failure
 [ "$status" = 5 ] && status=0
+[ "$launcher_status" = 5 ] && launcher_status=0
+[ "$status" = 0 ] && status=$launcher_status
 exit "$status"

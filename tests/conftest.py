@@ -10,6 +10,8 @@
   session unless it is marked ``@pytest.mark.long(reason=...)``.
 - ``launcher`` tests hold one of ``LAUNCHER_SLOTS`` machine-wide slots while they run, so two
   copies of the suite side by side never run more of them at once than one suite does.
+- Every test's CPU (its worker's and every process it started, ``tests/helpers/cpu.py``) goes
+  into its report as the ``cpu_s`` property; the session ends with the CPU of each module.
 """
 
 import os
@@ -26,6 +28,8 @@ from contextlib import contextmanager  # noqa: E402
 import pytest  # noqa: E402
 
 LONG_TEST_S = 60.0
+# the launcher tests whose workers start as fresh interpreters (docs/testing.md names them)
+FULL_CHAIN_MAX = 6
 SHM_BASE = "/dev/shm"
 # fixtures that start a server process (moto_server, a FUSE filesystem): their tests are
 # ``processes`` tests without saying so
@@ -35,7 +39,11 @@ SERVER_FIXTURES = frozenset({"s3_endpoint", "s3_root", "require_fuse"})
 # fresh interpreters, and more side by side only stretch every one
 LAUNCHER_SLOTS = 2
 LAUNCHER_SLOT_PATH = os.path.join(tempfile.gettempdir(), "dist_ckpt-tests-launcher-slot-{}.lock")
+CPU_PROPERTY = "cpu_s"
+MODULES_SHOWN = 10
 _elapsed: dict[str, float] = defaultdict(float)
+_module_cpu: dict[str, float] = defaultdict(float)
+_cpu_before: dict[str, dict[int, float]] = {}
 _long_allowed: set[str] = set()
 
 
@@ -44,18 +52,28 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "deselected by scripts/test.sh --quick")
     config.addinivalue_line("markers", "launcher: runs jobs under python -m launch or torchrun (implies "
                                        "processes); scripts/test.sh runs these in a session of their own")
+    config.addinivalue_line("markers", "full_chain(reason): a launcher test whose workers start as fresh "
+                                       "interpreters, as the product starts them (the others fork them); "
+                                       "the reason names the path only that chain can break")
     config.addinivalue_line("markers", f"long(reason): may take longer than {LONG_TEST_S:.0f} s; "
                                        "the reason says why")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    full_chain: list[str] = []
     for item in items:
-        marker = item.get_closest_marker("long")
-        if marker is not None and not (marker.kwargs.get("reason") or marker.args):
-            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.long needs reason=")
+        for name in ("long", "full_chain"):
+            marker = item.get_closest_marker(name)
+            if marker is not None and not (marker.kwargs.get("reason") or marker.args):
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{name} needs reason=")
+        if item.get_closest_marker("full_chain") is not None:
+            full_chain.append(item.nodeid)
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker(
                 "launcher") is not None:
             item.add_marker(pytest.mark.processes)
+    if len(full_chain) > FULL_CHAIN_MAX:
+        raise pytest.UsageError(f"{len(full_chain)} full_chain tests, at most {FULL_CHAIN_MAX} "
+                                f"(docs/testing.md): {full_chain}")
     # processes first, and among them the long ones: a worker that takes an 80 s test at the
     # start of the session is free again long before the end (stable inside each group)
     items.sort(key=lambda item: (item.get_closest_marker("processes") is None,
@@ -86,8 +104,28 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         yield
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from tests.helpers.cpu import tree_cpu
+
+    _cpu_before[item.nodeid] = tree_cpu()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    before = _cpu_before.pop(item.nodeid, None) if call.when == "teardown" else None
+    if before is not None:
+        from tests.helpers.cpu import spent, tree_cpu
+
+        outcome.get_result().user_properties.append((CPU_PROPERTY, round(spent(before, tree_cpu()), 2)))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _elapsed[report.nodeid] += report.duration
+    for name, value in report.user_properties:
+        if name == CPU_PROPERTY:
+            _module_cpu[report.nodeid.split("::")[0]] += float(value)
     if "long" in report.keywords:
         _long_allowed.add(report.nodeid)
 
@@ -99,6 +137,12 @@ def _too_long() -> list[tuple[str, float]]:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    if _module_cpu:
+        costliest = sorted(_module_cpu.items(), key=lambda pair: -pair[1])[:MODULES_SHOWN]
+        terminalreporter.write_sep("=", f"CPU of the tests: {sum(_module_cpu.values()):.0f} s in all; "
+                                        f"the {len(costliest)} costliest modules")
+        for module, seconds in costliest:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
     for nodeid, seconds in _too_long():
         terminalreporter.write_line(f"TOO LONG: {nodeid} took {seconds:.1f} s (limit {LONG_TEST_S:.0f} s; "
                                     "make it shorter or mark it @pytest.mark.long(reason=...))", red=True)
@@ -125,6 +169,20 @@ def own_shared_memory():
         patch.setenv(shm.SHM_DIR_ENV, directory)
         yield directory
     shutil.rmtree(directory)
+
+
+@pytest.fixture(autouse=True)
+def worker_start(request: pytest.FixtureRequest):
+    """Launched workers start as fresh interpreters in ``full_chain`` tests, forked from their
+    agent in the others (tests/helpers/launchlib.py), unless the run's environment chose."""
+    from tests.helpers.launchlib import WORKER_START_ENV
+
+    if request.node.get_closest_marker("full_chain") is None or WORKER_START_ENV in os.environ:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(WORKER_START_ENV, "fresh")
+        yield
 
 
 @pytest.fixture(scope="session")

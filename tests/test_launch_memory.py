@@ -35,8 +35,9 @@ def test_sigkilled_worker_resumes_from_memory_bitwise(tmp_path) -> None:
     run_id = f"t-{uuid.uuid4().hex[:10]}"
     launchlib.reference(str(tmp_path / "reference"), *MEMORY, "--dump-final", str(tmp_path / "reference.pt"))
     root = str(tmp_path / "root")
+    # rank 0 dies: its SIGKILL is the failure torchrun reports first however the workers started
     crashed = launch(root, "--run-id", run_id, "--backoff", "0.5", script_args=(
-        *MEMORY, "--crash-at", "6", "--crash-marker", str(tmp_path / "crashed"),
+        *MEMORY, "--crash-at", "6", "--crash-rank", "0", "--crash-marker", str(tmp_path / "crashed"),
         "--dump-final", str(tmp_path / "final.pt")))
     assert crashed.returncode == 0, crashed.output[-3000:]
     first, second = crashed.starts

@@ -8,9 +8,9 @@ shared-memory base of its own.
   are SIGKILLed and the launchers give up; everything local is removed; two new launchers
   resume from the mirror, at the generation it held when the ranks died, and finish bitwise
   equal to an uninterrupted run.
-- One node lost outright (launcher SIGKILLed, its disk and memory gone, as a replaced
-  machine): both nodes resume from memory and finish bitwise; the final generation reaches
-  every node's disk and the mirror.
+- One node lost outright (launcher SIGKILLed, its disk gone, as a replaced machine; the stale
+  memory it left is removed by the replacement's launcher): both nodes resume from memory and
+  finish bitwise; the final generation reaches every node's disk and the mirror.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import pytest
 import torch
 
 from dist_ckpt.format.manifest import MANIFEST_NAME, Manifest, parse_generation
+from dist_ckpt.format.validate import list_generations
 from dist_ckpt.launcher_api import mirror_run_url
 from dist_ckpt.memory import paths as shm
 from dist_ckpt.storage.base import open_store
+from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import free_port
 from tests.helpers import launchlib
 from tests.helpers.launchlib import read_log
@@ -128,10 +130,13 @@ def test_two_nodes_lose_disks_and_memory_and_resume_from_the_mirror_bitwise(s3_r
 
 
 def test_a_lost_node_of_the_hierarchy_resumes_from_memory(s3_root: str, tmp_path) -> None:
-    """Node 1 lost outright (launcher and worker SIGKILLed, then its disk and memory gone, as
-    a replaced machine): both nodes resume from memory (node 1's files from the replica node
-    0 holds), nothing persisted yet (``--persist-every 100``), and finish bitwise; the
-    final generation reaches every tier."""
+    """Node 1 lost outright (launcher and worker SIGKILLed, then its disk gone, as a replaced
+    machine whose memory still holds what the dead launcher left): the replacement's launcher
+    removes the stale memory, both nodes resume from memory (node 1's files from the replica
+    node 0 holds), nothing persisted yet (``--persist-every 100``), and finish bitwise; the
+    final generation, and only it, reaches every node's disk and the mirror; each launcher
+    removes its run's memory before it exits. (Merged with the former
+    tests/test_launch_memory_nodes.py, which lost the same node on one shared disk.)"""
     job = ("--memory-tier", "--persist-every", "100", "--updates", "12", "--save-every", "1",
            "--commit-timeout", "8")
     launchlib.reference(str(tmp_path / "reference"), *job, "--dump-final", str(tmp_path / "reference.pt"))
@@ -143,14 +148,16 @@ def test_a_lost_node_of_the_hierarchy_resumes_from_memory(s3_root: str, tmp_path
         launchlib.wait_for(lambda: launchlib.newest_in_memory(tmp_path / "shm1") >= 4, 240,
                            "node 1 to hold generation 4 in memory")
         lost_at = launchlib.newest_in_memory(tmp_path / "shm1")
+        workers = [pid for node in (0, 1) for pid in
+                   launchlib.worker_pids(str(tmp_path / f"disk{node}")).values()]
         os.killpg(nodes[1].pid, signal.SIGKILL)  # the launcher; its agent and worker follow it
         nodes[1].communicate(timeout=60)
         launchlib.wait_for(lambda: any(s["classification"] == "transient"
                                        for s in read_log(str(tmp_path / "disk0"))),
                            90, "node 0's start to end")
-        for directory in ("disk1", "shm1"):  # the replacement machine: nothing of the old one
-            shutil.rmtree(tmp_path / directory)
-            (tmp_path / directory).mkdir()
+        launchlib.wait_for(lambda: launchlib.all_exited(workers), 60, "the workers to exit")
+        shutil.rmtree(tmp_path / "disk1")  # the replacement machine: no disk of the old one
+        (tmp_path / "disk1").mkdir()
         nodes[1] = _start_node(tmp_path, 1, port, s3_root, script_args)
         outputs = _outputs(tmp_path, nodes)
     finally:
@@ -158,14 +165,20 @@ def test_a_lost_node_of_the_hierarchy_resumes_from_memory(s3_root: str, tmp_path
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert all(out.startswith("exit 0\n") for out in outputs), [out[-3000:] for out in outputs]
+    assert "removed stale in-memory checkpoints" in outputs[1], outputs[1][-3000:]
     finished = [s for node in (0, 1) for s in read_log(str(tmp_path / f"disk{node}"))
                 if s["classification"] == "done"]
     assert len(finished) == 2, finished
     resumed = {(s["resumed_from"], s["resumed_tier"]) for s in finished}
     ((generation, tier),) = resumed  # both nodes from the same generation
+    # at worst one generation before the newest node 1 was seen holding: its replica may
+    # still have been on the way when it died, and node 0 kept its own copy of the one before
     assert tier == "memory" and parse_generation(generation) >= lost_at - 1, (resumed, lost_at)
     _assert_bitwise(tmp_path)
     mirror = open_store(mirror_run_url(s3_root, "job"))
     assert mirror.exists(f"gen-000000000012/{MANIFEST_NAME}")
     for node in (0, 1):
-        assert (tmp_path / f"disk{node}" / "runs" / "job" / "gen-000000000012" / MANIFEST_NAME).exists()
+        run = tmp_path / f"disk{node}" / "runs" / "job"
+        assert list_generations(LocalStore(str(run))) == ["gen-000000000012"], node
+        assert (run / "gen-000000000012" / MANIFEST_NAME).exists()
+    assert not any(os.listdir(tmp_path / d) for d in ("shm0", "shm1")), "memory left after DONE"

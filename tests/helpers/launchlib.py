@@ -1,4 +1,14 @@
-"""Helpers for the launcher tests: run ``python -m launch`` on the example job and read its log."""
+"""Helpers for the launcher tests: run ``python -m launch`` on the example job and read its log.
+
+How the launched workers start (``WORKER_START_ENV``): ``fork`` (the default) passes
+torchrun's ``--run-path --start-method fork``, so each worker is forked from its start's
+torchrun agent, which has torch imported, and runs the script with ``runpy``: still a process
+of its own, a session of its own (``launch.agent.script_in_own_session``), the environment
+torchrun gives it, and the exit code or signal it ends with. ``fresh`` is the product's
+default chain, a fresh interpreter per worker: the tests marked ``full_chain`` run with it
+(tests/conftest.py sets it for them), and setting it for a whole run checks that a failure is
+not an artefact of forking.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +26,8 @@ from dist_ckpt.format.manifest import MANIFEST_NAME, parse_generation
 from dist_ckpt.launcher_api import CURRENT_NAME, LAUNCH_LOG_NAME, RUNS_DIR, STARTS_DIR
 from dist_ckpt.testing import enter_rank, held_store, join_store, rank_context, rank_environment
 
+WORKER_START_ENV = "DIST_CKPT_TEST_WORKER_START"
+WORKER_STARTS = ("fork", "fresh")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "scripts", "train_example.py")
 
@@ -40,7 +52,16 @@ def command(root: str, *launcher_args: str, nproc: int = 2, script: str = EXAMPL
         "--nnodes", str(nnodes), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", rdzv_id]
     return [sys.executable, "-m", "launch", "--checkpoint-root", root, *launcher_args,
-            "--nproc-per-node", str(nproc), *rendezvous, script, *script_args]
+            "--nproc-per-node", str(nproc), *rendezvous, *worker_start(), os.path.abspath(script),
+            *script_args]
+
+
+def worker_start() -> list[str]:
+    """torchrun's options for the workers' start (``WORKER_START_ENV``; module docstring)."""
+    start = os.environ.get(WORKER_START_ENV, "fork")
+    if start not in WORKER_STARTS:
+        raise ValueError(f"{WORKER_START_ENV}={start!r}: expected one of {WORKER_STARTS}")
+    return ["--run-path", "--start-method", "fork"] if start == "fork" else []
 
 
 def launch(root: str, *launcher_args: str, nproc: int = 2, script: str = EXAMPLE,
