@@ -18,6 +18,7 @@ signal to each worker's process group) reaches the worker and everything it star
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import multiprocessing
@@ -38,8 +39,10 @@ from dist_ckpt.launcher_api import atomic_write
 MESSAGE_LIMIT = 4000
 CLOSED_RETRY_S = 60.0  # how long a start joins again a rendezvous still closed
 CLOSED_PAUSE_S = 1.0
-# what a --start-method forkserver worker finds imported: the script's own imports, mostly
-WORKER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
+# what a --run-path worker started by fork or forkserver finds imported: a training script's
+# own imports, mostly (torch._dynamo: what an optimizer's first construction imports), loaded
+# once per start instead of once per worker
+WORKER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
                   "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "dist_ckpt"]
 _RUN_SCRIPT_PATH = torchrun.run_script_path
 
@@ -55,12 +58,15 @@ def script_in_own_session(training_script: str, *script_args: str) -> None:
 def _run_path_workers(args: Any) -> Iterator[None]:
     """While torchrun runs: its ``--run-path`` entry point replaced by
     :func:`script_in_own_session` (``run`` takes it from its module when it builds the
-    launch), and a fork server's preload set."""
+    launch), and ``WORKER_PRELOAD`` imported where the workers start from."""
     if not args.run_path:
         yield
         return
     if args.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(WORKER_PRELOAD)
+    elif args.start_method == "fork":  # the workers are forked from this process
+        for name in WORKER_PRELOAD:
+            importlib.import_module(name)
     torchrun.run_script_path = script_in_own_session
     try:
         yield

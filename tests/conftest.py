@@ -48,6 +48,13 @@ _long_allowed: set[str] = set()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from tests.helpers.launchlib import REFERENCES_ENV
+
+    # one directory of uninterrupted runs for the session (its xdist workers inherit it), unless
+    # the caller shares one (scripts/test.sh, between its two sessions)
+    if not hasattr(config, "workerinput") and not os.environ.get(REFERENCES_ENV):
+        os.environ[REFERENCES_ENV] = tempfile.mkdtemp(prefix="dist_ckpt-references-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(REFERENCES_ENV), ignore_errors=True))
     config.addinivalue_line("markers", "processes: starts processes (ranks, torchrun, interpreters); "
                                        "deselected by scripts/test.sh --quick")
     config.addinivalue_line("markers", "launcher: runs jobs under python -m launch or torchrun (implies "

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -40,7 +38,6 @@ from tests.helpers.incremental_faults import (
     same,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 G = generation_name
 # gens 1, 2 with the original base; base1 changed before 3: gens 3, 4 share base2's object
 # with 1 and 2, and hold base1's new object
@@ -219,22 +216,19 @@ def test_plan_sweep_of_a_root_without_objects(tmp_path: Path) -> None:
     assert plan_sweep(LocalStore(str(tmp_path))) == []
 
 
-@pytest.mark.processes
 def test_cli_prune_on_a_root_with_objects(root: str, template, capsys: pytest.CaptureFixture) -> None:
     only_old, new, _ = layout(root)
-    env = dict(os.environ, PYTHONPATH=REPO)
     args = ["prune", root, "--keep-last", "2"]
     capsys.readouterr()
-    assert cli_main([*args, "--dry-run", "--json"]) == 0  # in-process: one interpreter is enough
+    assert cli_main([*args, "--dry-run", "--json"]) == 0
     dry = json.loads(capsys.readouterr().out)
     assert dry["generations"] == [G(2), G(1)]
     assert dry["objects"] == sorted(only_old)
     assert objects_on_disk(root) == only_old | new  # a dry run deletes nothing
-    done = subprocess.run([sys.executable, "-m", "dist_ckpt.cli", *args], env=env, timeout=120,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert f"removed generation: {G(1)}" in done.stdout
-    assert all(f"removed object: {path}" in done.stdout for path in only_old)
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert f"removed generation: {G(1)}" in out
+    assert all(f"removed object: {path}" in out for path in only_old)
     assert objects_on_disk(root) == new
     assert check_committed(root) == [G(3), G(4)]
     name, tensors = restored(root)

@@ -63,27 +63,19 @@ def start_launcher(root: str, log: str, *launcher_args: str,
                                 cwd=launchlib.REPO, env=launchlib.env(), stdout=out, stderr=subprocess.STDOUT)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The uninterrupted run (the checkpoint tier does not change the arithmetic)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    launchlib.reference(str(tmp / "root"), *ARGS, "--dump-final", str(tmp / "final.pt"))
-    return torch.load(tmp / "final.pt", weights_only=True)
-
-
 # how the notice came changes nothing after the preemption save: the resume to the end runs
 # once per tier (RESUMED), the other ways stop at the validated save
 RESUMED = {"sigterm", "sigterm-memory"}
 
 
 @pytest.mark.long(reason="a slowed job preempted mid-run, then resumed to its end: two launches "
-                         "beside a module-wide reference run")
+                         "and the suite's uninterrupted run")
 @pytest.mark.parametrize("how", [
     pytest.param("sigterm", marks=pytest.mark.full_chain(
         reason="SIGTERM forwarded by the agent to interpreter workers, which save and exit 75 as "
                "torchrun's handler of interpreter workers reports it")),
     "usr1", "stop-file", "sigterm-memory"])
-def test_preemption_saves_the_update_reached_and_resumes_bitwise(tmp_path, request, how: str) -> None:
+def test_preemption_saves_the_update_reached_and_resumes_bitwise(tmp_path, how: str) -> None:
     root, log, stop_file = str(tmp_path / "root"), str(tmp_path / "launcher.log"), tmp_path / "STOP"
     run_id = f"t-{uuid.uuid4().hex[:10]}"  # its own shared-memory directory for the memory tier
     common = ("--run-id", run_id, "--stop-file", str(stop_file), "--backoff", "0")
@@ -118,7 +110,7 @@ def test_preemption_saves_the_update_reached_and_resumes_bitwise(tmp_path, reque
     validate(LocalStore(run_dir(root)), name)
     if how not in RESUMED:
         return
-    reference = request.getfixturevalue("reference")
+    reference = launchlib.uninterrupted(12)  # the checkpoint tier does not change the arithmetic
     stop_file.unlink(missing_ok=True)
     resumed = launch(root, *common, script_args=(*ARGS, *extra, "--dump-final", str(tmp_path / "final.pt")))
     assert resumed.returncode == 0, resumed.output[-3000:]

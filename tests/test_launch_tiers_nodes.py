@@ -86,15 +86,14 @@ def _fresh_locals(tmp_path) -> list:
     return made
 
 
-def _assert_bitwise(tmp_path) -> None:
-    expected = torch.load(tmp_path / "reference.pt", weights_only=True)
+def _assert_bitwise(tmp_path, updates: int) -> None:
+    expected = launchlib.uninterrupted(updates)
     got = torch.load(tmp_path / "final.pt", weights_only=True)
     assert expected.keys() == got.keys() and len(got) > 4
     assert all(torch.equal(expected[k], got[k]) for k in expected), "resumed run diverged"
 
 
 def test_two_nodes_lose_disks_and_memory_and_resume_from_the_mirror_bitwise(s3_root: str, tmp_path) -> None:
-    launchlib.reference(str(tmp_path / "reference"), *JOB, "--dump-final", str(tmp_path / "reference.pt"))
     locals_ = _fresh_locals(tmp_path)
     first = _nodes(tmp_path, s3_root, (*JOB, *CRASH), "--max-starts", "1")
     assert all(out.startswith("exit 3\n") for out in first), [out[-3000:] for out in first]  # gave up
@@ -125,7 +124,7 @@ def test_two_nodes_lose_disks_and_memory_and_resume_from_the_mirror_bitwise(s3_r
         done = json.loads((tmp_path / f"disk{node}" / "runs" / "job" / "DONE.json").read_text())
         assert done["generation"] == "gen-000000000010"
     assert mirror.exists(f"gen-000000000010/{MANIFEST_NAME}")
-    _assert_bitwise(tmp_path)
+    _assert_bitwise(tmp_path, 10)
     assert not any(os.listdir(tmp_path / f"shm{node}") for node in (0, 1))  # DONE: memory removed
 
 
@@ -139,7 +138,6 @@ def test_a_lost_node_of_the_hierarchy_resumes_from_memory(s3_root: str, tmp_path
     tests/test_launch_memory_nodes.py, which lost the same node on one shared disk.)"""
     job = ("--memory-tier", "--persist-every", "100", "--updates", "12", "--save-every", "1",
            "--commit-timeout", "8")
-    launchlib.reference(str(tmp_path / "reference"), *job, "--dump-final", str(tmp_path / "reference.pt"))
     _fresh_locals(tmp_path)
     port = free_port()
     script_args = (*job, "--dump-final", str(tmp_path / "final.pt"))
@@ -174,7 +172,7 @@ def test_a_lost_node_of_the_hierarchy_resumes_from_memory(s3_root: str, tmp_path
     # at worst one generation before the newest node 1 was seen holding: its replica may
     # still have been on the way when it died, and node 0 kept its own copy of the one before
     assert tier == "memory" and parse_generation(generation) >= lost_at - 1, (resumed, lost_at)
-    _assert_bitwise(tmp_path)
+    _assert_bitwise(tmp_path, 12)
     mirror = open_store(mirror_run_url(s3_root, "job"))
     assert mirror.exists(f"gen-000000000012/{MANIFEST_NAME}")
     for node in (0, 1):

@@ -12,11 +12,14 @@ not an artefact of forking.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import runpy
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +30,9 @@ from dist_ckpt.launcher_api import CURRENT_NAME, LAUNCH_LOG_NAME, RUNS_DIR, STAR
 from dist_ckpt.testing import enter_rank, held_store, join_store, rank_context, rank_environment
 
 WORKER_START_ENV = "DIST_CKPT_TEST_WORKER_START"
+# where the uninterrupted runs of one suite run are kept (scripts/test.sh shares one between its
+# two sessions; tests/conftest.py makes one for a session that has none)
+REFERENCES_ENV = "DIST_CKPT_TEST_REFERENCES"
 WORKER_STARTS = ("fork", "fresh")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "scripts", "train_example.py")
@@ -110,6 +116,30 @@ def reference(root: str, *script_args: str, nproc: int = 2, timeout: float = 180
                 process.join(10)
     codes = [process.exitcode for process in ranks]
     assert codes == [0] * nproc, f"the reference run failed: exit codes {codes}"
+
+
+def uninterrupted(updates: int, *, nproc: int = 2) -> dict:
+    """The final state of the example job run for ``updates`` updates on ``nproc`` ranks
+    without interruption: what a killed, preempted or hung job, restarted from its
+    checkpoints, must end with bitwise. Computed once per suite run and read by every test
+    that compares with it (``REFERENCES_ENV``; a lock file makes the first caller compute it
+    while the others wait). The run saves once, at its end: checkpoints never change the
+    arithmetic, which is what the tests that compare with it prove, so neither the cadence
+    nor the tiers of the test's job belong in it."""
+    import torch
+
+    directory = os.environ.get(REFERENCES_ENV) or tempfile.mkdtemp(prefix="dist_ckpt-references-")
+    os.environ.setdefault(REFERENCES_ENV, directory)
+    key = hashlib.sha256(json.dumps([updates, nproc]).encode()).hexdigest()[:16]
+    final = os.path.join(directory, f"{key}.pt")
+    with open(os.path.join(directory, f"{key}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(final):
+            scratch = tempfile.mkdtemp(prefix=f"{key}-", dir=directory)
+            reference(os.path.join(scratch, "root"), "--updates", str(updates), "--save-every",
+                      str(updates), "--dump-final", os.path.join(scratch, "final.pt"), nproc=nproc)
+            os.replace(os.path.join(scratch, "final.pt"), final)
+    return torch.load(final, weights_only=True)
 
 
 def read_log(root: str) -> list[dict]:
