@@ -20,7 +20,7 @@ from .version import __version__
 _DEFINED_IN = {
     "CheckpointConfig": ".config",
     "CheckpointManager": ".manager",
-    "DoneRecord": ".ops.done",
+    "DoneRecord": ".lifecycle.done",
     "GenerationInfo": ".format.inventory",
     "ResumableSampler": ".restart.sampler",
     "RestoreResult": ".restore.loader",
@@ -61,8 +61,8 @@ if TYPE_CHECKING:
         ValidationError,
     )
     from .format.inventory import GenerationInfo
+    from .lifecycle.done import DoneRecord
     from .manager import CheckpointManager
-    from .ops.done import DoneRecord
     from .restart.sampler import ResumableSampler
     from .restart.state import TrainState
     from .restore.loader import RestoreResult

@@ -49,6 +49,7 @@ from .config import ROOT_ENV
 from .errors import PREEMPTED_EXIT, DistCkptError
 from .format.manifest import parse_generation, read_latest_name
 from .format.validate import read_manifest
+from .lifecycle.done import DoneRecord, check_done
 from .marks import Mark, read_marks
 from .memory.breakpoint import Persisted
 from .memory.breakpoint import persist_memory as _persist_memory
@@ -58,7 +59,6 @@ from .memory.paths import REMOVING_PREFIX as MEMORY_REMOVING_PREFIX
 from .memory.paths import base_dir as memory_base_dir
 from .memory.paths import run_dir as memory_dir
 from .memory.paths import valid_run_id as can_name_memory_dir
-from .ops.done import DoneRecord, check_done
 from .runinfo import (
     LAUNCH_DIR_ENV,
     MIRROR_ENV,

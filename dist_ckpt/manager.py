@@ -30,15 +30,14 @@ from .errors import (
 )
 from .format.inventory import GenerationInfo, inventory
 from .format.manifest import generation_name
-from .lifecycle import finish
+from .lifecycle import finish, retention
 from .lifecycle.after_commit import AfterCommit
+from .lifecycle.done import DoneRecord
 from .lifecycle.finish import FinalStep
 from .lifecycle.preemption import PreemptionWatch, stop_preempted
 from .lifecycle.pruning import Pruner
 from .lifecycle.replication import open_replayer
 from .memory.runner import MemoryTierRunner
-from .ops import retention
-from .ops.done import DoneRecord
 from .protocol.comm import Comm
 from .protocol.messages import PINS_KEY
 from .restart import codec
@@ -441,7 +440,8 @@ class CheckpointManager:
         self.wait_staged()  # loading writes into the live tensors
         target = rehearsal.script_mode()
         if target is not None:
-            self._rehearsal = rehearsal.rehearse(self.ctx, None if target == "newest" else target, None)
+            self._rehearsal = rehearsal.rehearse(self.ctx, None if target == "newest" else target, None,
+                                                 script=True)
             return RestoreResult(next_update=self._rehearsal.next_update,
                                  generation=self._rehearsal.generation)
         with self.marks.section("restore", self.comm.timeout_s):
@@ -459,9 +459,10 @@ class CheckpointManager:
                  generation: str | None = None) -> RehearsalResult:
         """Prove a generation restorable (all ranks), on a manager built around fresh objects:
         load it (the newest that validates, or ``generation``) with every component checked,
-        run ``step_fn(state) -> loss`` once when given, and record the outcome (loss, digest
-        of the updated state) in ``ROOT/rehearsals.json``. Raises ``RehearsalFailed`` naming
-        the component (contract, model, optimizer, rng, load) that failed."""
+        run ``step_fn(state) -> loss`` once, and record the outcome (loss, digest of the
+        updated state) in ``ROOT/rehearsals.json``. Raises ``RehearsalFailed`` naming the
+        component (contract, model, optimizer, rng, load, update) that failed; without
+        ``step_fn`` no update runs and the rehearsal fails in ``update`` after loading."""
         self._check_open()
         return rehearsal.rehearse(self.ctx, generation, step_fn)
 

@@ -10,20 +10,39 @@ a generation and stopped; neither success nor failure: start the job again to re
 
 from __future__ import annotations
 
+import os
 import sys
 
-from .options import parse
-from .rundir import RunDirError
+from dist_ckpt import launcher_api as api
+
+from .health import script_problem
+from .options import LaunchOptions, parse, prog_name
+from .rundir import RunDirError, existing_run
 from .runner import Launcher
 
 EXIT_USAGE = 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = parse(sys.argv[1:] if argv is None else argv)
+    prog = prog_name(sys.argv[0]) if argv is None else prog_name("")
+    options = parse(sys.argv[1:] if argv is None else argv, prog)
+    problem = script_problem(options)
     try:
+        # a usage error, before anything under the root is created; only a run that is done
+        # already says so whatever the script (no start would be made)
+        if problem is not None and not _done_already(options):
+            print(f"{prog}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
         launcher = Launcher(options)
     except RunDirError as exc:
-        print(f"python -m launch: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return launcher.run()
+
+
+def _done_already(options: LaunchOptions) -> bool:
+    run = existing_run(options.checkpoint_root, fresh=options.fresh, run_id=options.run_id)
+    if run is None or not os.path.isdir(run):
+        return False
+    mirror = api.mirror_run_url(options.mirror, os.path.basename(run)) if options.mirror else None
+    return api.find_done([run], contract_digest=None, mirror=mirror) is not None

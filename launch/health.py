@@ -21,11 +21,13 @@ from .options import LaunchOptions
 def preflight(options: LaunchOptions, run_dir: str, mirror: str | None) -> str | None:
     """The reason no start may happen, or None. ``mirror``: ``--mirror``'s run URL, or the
     mirror the previous start's workers reported (the launcher learns it from them)."""
-    return _script(options) or _space(options, run_dir) or (
+    return script_problem(options) or _space(options, run_dir) or (
         api.check_mirror(mirror) if mirror else None)
 
 
-def _script(options: LaunchOptions) -> str | None:
+def script_problem(options: LaunchOptions) -> str | None:
+    """Why the training script cannot run (checked before anything is created, then again
+    before each start), or None."""
     args = options.torchrun
     script = args.training_script
     if args.no_python:

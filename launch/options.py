@@ -10,11 +10,13 @@ a fresh rendezvous (docs/launcher.md).
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from torch.distributed.run import get_args_parser
 
@@ -204,15 +206,44 @@ def _add_launcher_options(parser: argparse.ArgumentParser) -> None:
                                          f"(default {DEFAULT_STRAGGLER_WINDOW})")
 
 
-def build_parser() -> argparse.ArgumentParser:
+PROG = "python -m launch"
+CONSOLE_SCRIPT = "dist-ckpt-run"
+# torchrun's --nproc-per-node words; anything else must be a positive number of workers
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+def prog_name(argv0: str) -> str:
+    """How the launcher was invoked, for its usage and its messages."""
+    return CONSOLE_SCRIPT if os.path.basename(argv0) == CONSOLE_SCRIPT else PROG
+
+
+def _suggesting(parser: argparse.ArgumentParser) -> None:
+    """``parser.error`` adds "did you mean" for an option it does not know."""
+    known = sorted({name for action in parser._actions for name in action.option_strings
+                    if name.startswith("--")})
+    plain = parser.error
+
+    def error(message: str) -> NoReturn:
+        for token in re.findall(r"--[\w-]+", message):
+            close = difflib.get_close_matches(token, known, n=1) if token not in known else []
+            if close:
+                message = f"{message} (did you mean {close[0]}?)"
+                break
+        plain(message)
+
+    parser.error = error  # type: ignore[method-assign]
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = get_args_parser()
     # no prefix matching: "--max-start 2" must be an error, not torchrun's option by another
     # name or a token forwarded raw to torchrun (which rejects it after every start)
     parser.allow_abbrev = False
-    parser.prog = "python -m launch"
+    parser.prog = prog
     parser.description = ("Run a torchrun job with dist_ckpt checkpoints and a bounded restart "
                           "policy. All torchrun options are accepted and forwarded.")
     _add_launcher_options(parser)
+    _suggesting(parser)
     return parser
 
 
@@ -228,9 +259,13 @@ def _strip_launcher_options(head: list[str]) -> tuple[list[str], int | None]:
     return rest, known.max_restarts
 
 
-def parse(argv: list[str]) -> LaunchOptions:
-    parser = build_parser()
+def parse(argv: list[str], prog: str = PROG) -> LaunchOptions:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    nproc = str(args.nproc_per_node)
+    if nproc not in NPROC_WORDS and not (nproc.isdigit() and int(nproc) > 0):
+        parser.error(f"--nproc-per-node {nproc}: a positive number of workers per node, or one of "
+                     f"{', '.join(NPROC_WORDS)}")
     tail = 1 + len(args.training_script_args)
     head, script_part = argv[: len(argv) - tail], argv[len(argv) - tail:]
     if not script_part or script_part[0] != args.training_script:

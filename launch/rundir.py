@@ -47,6 +47,21 @@ def _next_number(root: str) -> str:
     return f"{max(numbers, default=0) + 1:04d}"
 
 
+def existing_run(root: str, *, fresh: bool, run_id: str | None) -> str | None:
+    """The directory :func:`choose_run` would continue, without creating anything; None for
+    a new run. A root that is not a directory is a ``RunDirError`` here too."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise RunDirError(f"--checkpoint-root {root} is not a directory")
+    if fresh:
+        return None
+    if run_id is not None:
+        return run_root(root, run_id)
+    current = read_current(root)
+    if current is not None:
+        return run_root(root, current)
+    return run_root(root, LEGACY_RUN_ID) if os.path.isdir(root) and holds_generations(root) else None
+
+
 def choose_run(root: str, *, fresh: bool, run_id: str | None) -> tuple[str, str, bool]:
     """``(run id, run directory, created)`` for this launch; records it in ``ROOT/current``."""
     try:

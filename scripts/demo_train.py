@@ -89,7 +89,8 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if (update + 1) % args.save_every == 0:
-                mgr.save(update + 1, tokens_seen=(update + 1) * BATCH * world)
+                # the samples consumed: right across a change of world size
+                mgr.save(update + 1, tokens_seen=sampler.epoch * sampler.num_samples + sampler.cursor)
                 snapshot = gathered(model, optimizer)
                 if rank == 0:
                     torch.save(snapshot, reference_path + ".tmp")

@@ -126,6 +126,12 @@ def on_stop_signal(signal_dir: str | None, rank: int):
     return handler
 
 
+def consumed(sampler: ResumableSampler) -> int:
+    """Samples every rank together consumed so far, from the sampler's position (restored
+    with it): right across a change of world size, where updates x batch x world is not."""
+    return sampler.epoch * sampler.num_samples + sampler.cursor
+
+
 def main() -> None:
     args = parse()
     dist.init_process_group("gloo")
@@ -169,12 +175,12 @@ def main() -> None:
             if rank == 0 and next_update % 4 == 0:
                 print(f"[train] update {next_update}: loss {loss.item():.5f}", flush=True)
             if next_update < args.updates:
-                mgr.maybe_save(next_update, tokens_seen=next_update * args.batch * world)
+                mgr.maybe_save(next_update, tokens_seen=consumed(sampler))
             if next_update == args.stop_at:
                 mgr.wait()
                 break
         else:
-            done = mgr.finish(args.updates, tokens_seen=args.updates * args.batch * world)
+            done = mgr.finish(args.updates, tokens_seen=consumed(sampler))
             if rank == 0:
                 print(f"[train] DONE: {done.generation}", flush=True)
         final = gathered(model, optimizer)

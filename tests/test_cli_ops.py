@@ -14,7 +14,7 @@ from dist_ckpt.cli.app import FOOTNOTE
 from dist_ckpt.format.inventory import is_committed
 from dist_ckpt.format.manifest import MANIFEST_NAME, REASON_NAME, REJECTED_DIR
 from dist_ckpt.format.validate import Problem
-from dist_ckpt.ops.retention import change_pin, read_pins, set_pin
+from dist_ckpt.lifecycle.retention import change_pin, read_pins, set_pin
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.tiers.rejected import move_aside
 from tests.helpers.cli_runs import flip_byte, private_copy, run

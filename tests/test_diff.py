@@ -177,3 +177,12 @@ def test_object_store_against_local(base: Path, s3_root: str, capsys: pytest.Cap
     backend.put_bytes(shard, bytes(raw))
     code, _, err = run_cli(capsys, str(base / "full"), f"{s3_root}/{GEN4}")
     assert code == 1 and "dcp/__0_0.distcp" in err, err
+
+
+@pytest.mark.processes
+def test_short_generation_names_in_a_path(base: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 40 item 11: ROOT/gen-3 names gen-000000000003, as GEN does everywhere else."""
+    code, out, err = run_cli(capsys, str(base / "full" / "gen-3"), str(base / "no_rng" / "gen-3"))
+    assert code == 0, out + err
+    assert GEN3 in out and "identical" in out.splitlines()[2]
+    assert diff(str(base / "full" / "gen-3"), str(base / "full" / GEN3)).identical

@@ -19,8 +19,8 @@ from dist_ckpt import (
 )
 from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, generation_name, rank_state_file
+from dist_ckpt.lifecycle.done import check_done
 from dist_ckpt.lifecycle.finish import holds_committed
-from dist_ckpt.ops.done import check_done
 from dist_ckpt.protocol.comm import Comm
 from dist_ckpt.restart.contract import digest
 from dist_ckpt.runinfo import LAUNCH_DIR_ENV, read_reports

@@ -25,7 +25,7 @@ from dist_ckpt.format.objects import (
     recover_aside,
     remove_object,
 )
-from dist_ckpt.ops.retention import prune
+from dist_ckpt.lifecycle.retention import prune
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.tiers import open_tier
 from tests.helpers.finetune_jobs import Job

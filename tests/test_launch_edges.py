@@ -14,7 +14,7 @@ from dist_ckpt.launcher_api import CURRENT_NAME, latest_generation, run_root
 from dist_ckpt.memory.paths import root_digest
 from launch import agent, memory_dir, policy, records
 from launch.cli import main
-from launch.options import parse
+from launch.options import build_parser, parse, prog_name
 from launch.runner import Launcher
 from tests.helpers.handmade import flip_byte, write_generation
 from tests.helpers.local_jobs import make_state, step
@@ -142,3 +142,34 @@ def test_the_last_line_says_what_was_persisted_from_memory(tmp_path, capsys) -> 
                                    "does not match its manifest entry")
             assert last.endswith(f"; removed in-memory checkpoints {directory}")
             assert latest_generation(launcher.run_dir) == "gen-000000000003"
+
+
+# ---- issue 40 item 14: usage errors before anything is created --------------------------------
+def test_an_option_typo_says_what_was_meant(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["--checkpoint-root", "/r", "--standalone", "--max-start", "2", "train.py"])
+    assert exc.value.code == 2
+    assert "--max-start (did you mean --max-starts?)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1", "many"])
+def test_no_workers_is_a_usage_error(nproc, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["--checkpoint-root", "/r", "--standalone", "--nproc-per-node", nproc, "train.py"])
+    assert exc.value.code == 2 and f"--nproc-per-node {nproc}: a positive number" in capsys.readouterr().err
+    assert parse(["--checkpoint-root", "/r", "--nproc-per-node", "auto", "train.py"]).torchrun.nproc_per_node
+
+
+def test_a_missing_script_is_a_usage_error_before_anything_is_created(tmp_path, capsys) -> None:
+    root = tmp_path / "root"
+    assert main(["--checkpoint-root", str(root), "--standalone", str(tmp_path / "nope.py")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m launch: training script not found: {tmp_path / 'nope.py'}"]
+    assert not root.exists()  # no run directory, no current, no log
+
+
+def test_the_console_script_names_itself() -> None:
+    assert prog_name("/venv/bin/dist-ckpt-run") == "dist-ckpt-run"
+    assert prog_name("/repo/launch/__main__.py") == "python -m launch"
+    usage = build_parser(prog_name("/venv/bin/dist-ckpt-run")).format_usage()
+    assert usage.startswith("usage: dist-ckpt-run ")

@@ -62,9 +62,9 @@ def test_the_checks_see_what_they_look_for() -> None:
     source = ("import dist_ckpt.runinfo\nfrom dist_ckpt import launcher_api, errors\n"
               "from dist_ckpt.launcher_api import RUNS_DIR\nif TYPE_CHECKING:\n"
               "    from dist_ckpt.memory.paths import run_dir\n"
-              "def f():\n    importlib.import_module('dist_ckpt.ops.done')\n")
+              "def f():\n    importlib.import_module('dist_ckpt.lifecycle.done')\n")
     assert sorted(outside_the_api(dist_ckpt_imports(ast.parse(source)))) == [
-        "dist_ckpt.memory.paths:run_dir", "dist_ckpt.ops.done", "dist_ckpt.runinfo", "dist_ckpt:errors"]
+        "dist_ckpt.lifecycle.done", "dist_ckpt.memory.paths:run_dir", "dist_ckpt.runinfo", "dist_ckpt:errors"]
     source = ('"""runs/<id> in a docstring is prose."""\n'
               'A = "launch-log.jsonl"\nB = f"{r}/runs/{i}"\nC = "runs"\n')
     assert sorted(layout_literals(ast.parse(source))) == ["/runs/", "launch-log.jsonl", "runs"]

@@ -13,7 +13,9 @@ import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
 from dist_ckpt.cli.app import main as cli
+from dist_ckpt.restore import rehearse as rehearsal
 from dist_ckpt.restore.rehearse import RehearsalFailed
+from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.testing import run_ranks
 from tests.helpers import launchlib, workers
 from tests.helpers.local_jobs import make_state, step, two_generations
@@ -142,3 +144,64 @@ def test_cli_rehearses_with_the_jobs_own_script(tmp_path, capsys) -> None:
     assert cli(["rehearse", root, "gen-000000000002", "--script", launchlib.EXAMPLE,
                 "--script-args", "--width 48"]) == 1
     assert "FAILED in contract" in capsys.readouterr().out
+
+
+# ---- issue 40 item 10: a rehearsal in which no update ran fails, in every path ---------------
+def recorded(root: str, generation: str = "gen-000000000002") -> dict:
+    return json.load(open(os.path.join(root, "rehearsals.json")))[generation]
+
+
+def test_rehearse_without_a_step_fails_in_update_and_unlocks_no_retention(tmp_path) -> None:
+    root = str(tmp_path)
+    two_generations(root)
+    config = CheckpointConfig(root=root, keep_last=1, require_rehearsal=True)
+    with CheckpointManager(config, make_state()) as mgr:
+        with pytest.raises(RehearsalFailed) as failure:
+            mgr.rehearse()
+    assert failure.value.component == "update" and "no update ran" in failure.value.reason
+    assert not recorded(root)["passed"] and not rehearsal.passed(LocalStore(root), "gen-000000000002")
+
+
+def test_a_record_that_passed_without_a_digest_is_no_pass(tmp_path) -> None:
+    # what an earlier version recorded for a rehearsal whose script never trained
+    (tmp_path / "rehearsals.json").write_text(json.dumps(
+        {"gen-000000000002": {"passed": True, "loss": None, "digest": None}}))
+    assert not rehearsal.passed(LocalStore(str(tmp_path)), "gen-000000000002")
+    (tmp_path / "rehearsals.json").write_text(json.dumps(
+        {"gen-000000000002": {"passed": True, "loss": 0.5, "digest": "ab" * 32, "updates": 1}}))
+    assert rehearsal.passed(LocalStore(str(tmp_path)), "gen-000000000002")
+
+
+def test_a_script_rehearsal_passes_only_once_it_trained(tmp_path, monkeypatch, capsys) -> None:
+    """The script path in one process: restore() in rehearsal mode, then the script's next
+    save (the CLI's torchrun run of it: test_cli_rehearses_with_the_jobs_own_script)."""
+    import argparse
+
+    from dist_ckpt.cli.rehearse import report
+
+    root = str(tmp_path)
+    two_generations(root)
+    monkeypatch.setenv(rehearsal.REHEARSE_ENV, "newest")
+    config = CheckpointConfig(root=root, keep_last=1, require_rehearsal=True)
+    # a script that restores and ends before its next save
+    with CheckpointManager(config, make_state()) as mgr:
+        assert mgr.restore().next_update == 2
+    assert not recorded(root)["passed"] and recorded(root)["component"] == "update"
+    assert report(argparse.Namespace(json=False), 0, {"gen-000000000002": recorded(root)}) == 1
+    assert "FAILED in update: no update ran" in capsys.readouterr().out
+    # a script that saves at the generation's own update: nothing trained, exit 1
+    with CheckpointManager(config, make_state()) as mgr:
+        mgr.restore()
+        with pytest.raises(SystemExit) as ended:
+            mgr.save(2)
+    assert ended.value.code == 1 and not recorded(root)["passed"] and recorded(root)["updates"] == 0
+    # one update, then the save: the pass, with the digest after it
+    with CheckpointManager(config, make_state()) as mgr:
+        mgr.restore()
+        step(mgr.state)
+        with pytest.raises(SystemExit) as ended:
+            mgr.save(3)
+    assert ended.value.code == 0 and recorded(root)["passed"] and recorded(root)["updates"] == 1
+    assert rehearsal.passed(LocalStore(root), "gen-000000000002")
+    assert sorted(n for n in os.listdir(root) if n.startswith("gen-")) == [
+        "gen-000000000001", "gen-000000000002"]  # a rehearsal writes no generation

@@ -16,9 +16,9 @@ from dist_ckpt.context import Context, Tiers
 from dist_ckpt.format.inventory import is_committed
 from dist_ckpt.format.manifest import MANIFEST_NAME, generation_name
 from dist_ckpt.format.validate import list_generations
+from dist_ckpt.lifecycle import retention
 from dist_ckpt.lifecycle.finish import done_record
 from dist_ckpt.lifecycle.replication import MirrorPolicy, ReplayChain
-from dist_ckpt.ops import retention
 from dist_ckpt.protocol import messages
 from dist_ckpt.protocol.comm import Comm
 from dist_ckpt.save.replay import Replayer, read_mirror_state

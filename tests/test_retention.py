@@ -99,7 +99,7 @@ def test_a_job_prune_takes_a_generation_out_at_once_and_deletes_its_files_later(
     # issue 37: wait() settles retention; deleting a large generation's files is the kernel's
     # slow part, so the job's pass renames the generation to a pending name (no generation any
     # more, as a crash's leftover attempt) and hands the deletion to a thread nobody waits for
-    from dist_ckpt.ops import retention
+    from dist_ckpt.lifecycle import retention
     from dist_ckpt.tiers import open_tier
 
     root = str(tmp_path)

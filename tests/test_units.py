@@ -28,7 +28,7 @@ from dist_ckpt.format.manifest import (
     rejected_entry_name,
     rejected_generation,
 )
-from dist_ckpt.ops.retention import to_drop
+from dist_ckpt.lifecycle.retention import to_drop
 from dist_ckpt.restart import codec
 from dist_ckpt.restore.loader import load_in_process, verification_failures
 from dist_ckpt.save.shardio import hashing_writer

@@ -31,7 +31,7 @@ from ..format.manifest import (
 from ..format.objects import listed_objects
 from ..format.signing import key_from_env
 from ..launcher_api import RUNS_DIR
-from ..ops.retention import prune, read_pins
+from ..lifecycle.retention import prune, read_pins
 from ..save.replay import read_mirror_state
 from ..storage.base import Store, StoreReader, open_store
 from ..version import __version__

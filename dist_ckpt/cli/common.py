@@ -4,14 +4,18 @@ opening a root."""
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import StorageError, UnsafeNameError
 from ..format.inventory import GenerationInfo, inventory
-from ..format.manifest import LATEST_NAME, check_generation_name, generation_name, pending_update
+from ..format.manifest import (
+    LATEST_NAME,
+    check_generation_name,
+    expand_generation_name,
+    pending_update,
+)
 from ..format.signing import key_from_env
 from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier, open_tier
@@ -80,15 +84,12 @@ def open_root_tier(root: str) -> CommitTier:
     return tier
 
 
-_SHORT_GENERATION = re.compile(r"(?:gen-)?([0-9]{1,12})")
 
 
 def generation_arg(name: str) -> str:
-    """A generation name as typed on the command line: ``3300``, ``gen-3300`` and
-    ``gen-000000003300`` all name ``gen-000000003300``. Anything else comes back unchanged, for
-    :func:`safe_generation_name` to judge: a name, never a path."""
-    match = _SHORT_GENERATION.fullmatch(name)
-    return generation_name(int(match.group(1))) if match else name
+    """A generation name as typed on the command line (:func:`expand_generation_name`), for
+    :func:`safe_generation_name` to judge."""
+    return expand_generation_name(name)
 
 
 def safe_generation_name(name: str) -> str:

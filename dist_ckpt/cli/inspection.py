@@ -27,7 +27,7 @@ from ..format.validate import (
     read_verified,
     validate,
 )
-from ..ops.retention import read_pins
+from ..lifecycle.retention import read_pins
 from ..restart import codec
 from ..save.replay import read_mirror_state
 from ..storage.base import Store, StoreReader

@@ -11,7 +11,7 @@ from ..format.inventory import newest_committed
 from ..format.manifest import parse_generation
 from ..format.validate import list_generations
 from ..launcher_api import CURRENT_NAME, LEGACY_RUN_ID, RUNS_DIR, run_root
-from ..ops.done import DONE_NAME, check_done
+from ..lifecycle.done import DONE_NAME, check_done
 from ..storage.base import StoreReader, open_store, read_bounded
 from .common import is_directory, print_table
 

@@ -20,7 +20,7 @@ from ..format.manifest import (
 )
 from ..format.signing import key_from_env
 from ..format.validate import Problem, repoint_latest
-from ..ops.retention import change_pin, read_pins
+from ..lifecycle.retention import change_pin, read_pins
 from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier, open_tier
 from .common import (

@@ -6,8 +6,9 @@ its ``CheckpointManager.restore()`` rehearses the generation (every component ch
 :mod:`dist_ckpt.rehearse`) into the objects the script built, the script trains one update,
 and its next ``save``/``maybe_save``/``finish`` writes nothing: the updated state's digest is
 recorded in ``ROOT/rehearsals.json`` and the workers exit 0. Local roots and object stores.
-A rehearsal whose script saved before any update ran (at the generation's own update) proves
-nothing about training on: it is reported as such and exits 1.
+A rehearsal passes only after at least one update: a script that saved at the generation's own
+update, or ended before its next save, fails in ``update`` (exit 1), and its record unlocks no
+retention.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from typing import Any
 
 from ..format.manifest import parse_generation
-from ..restore.rehearse import REHEARSE_ENV, read_rehearsals
+from ..restore.rehearse import NO_UPDATE, REHEARSE_ENV, read_rehearsals, record_passed
 from .common import Refused, UsageError, checked_generation, open_root
 
 
@@ -45,20 +46,24 @@ def report(args: argparse.Namespace, returncode: int, fresh: dict[str, dict[str,
         raise Refused(f"the script exited {returncode} without rehearsing (did it call "
                       f"CheckpointManager.restore() and then save, maybe_save or finish?)")
     name, record = next(iter(fresh.items()))
-    idle = record.get("passed") and record.get("updates") == 0
+    ok = record_passed(record)
+    idle = record.get("updates") == 0  # the script saved at the generation's own update
+    untrained = not ok and (idle or record.get("component") == "update" or not record.get("digest"))
     if args.json:
-        print(json.dumps({"generation": name, "exit_code": returncode, **record,
-                          **({"problem": "no update ran"} if idle else {})}))
+        print(json.dumps({"generation": name, "exit_code": returncode, **record, "passed": ok,
+                          **({"problem": "no update ran"} if untrained else {})}))
     elif idle:
-        print(f"{name}: rehearsal ran NO update: the script saved at update {parse_generation(name)}, "
-              f"the generation's own, right after the restore, so nothing was trained (let the "
-              f"script run past update {parse_generation(name)}, e.g. through --script-args)")
-    elif record.get("passed"):
-        print(f"{name}: rehearsal passed; state digest after {record.get('updates', '?')} "
-              f"update(s) {record.get('digest')}")
+        update = parse_generation(name)
+        print(f"{name}: rehearsal ran NO update: the script saved at update {update}, the "
+              f"generation's own, right after the restore, so nothing was trained (let the "
+              f"script run past update {update}, e.g. through --script-args)")
+    elif ok:
+        print(f"{name}: rehearsal passed; state digest after {record['updates']} update(s) "
+              f"{record['digest']}")
     else:
-        print(f"{name}: rehearsal FAILED in {record.get('component')}: {record.get('reason')}")
-    return 0 if record.get("passed") and not idle and returncode == 0 else 1
+        print(f"{name}: rehearsal FAILED in {record.get('component', 'update')}: "
+              f"{record.get('reason', NO_UPDATE)}")
+    return 0 if ok and returncode == 0 else 1
 
 
 def add_rehearse_parser(sub: Any) -> argparse.ArgumentParser:

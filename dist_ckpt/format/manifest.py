@@ -81,6 +81,16 @@ def generation_name(next_update: int) -> str:
     return f"gen-{next_update:012d}"
 
 
+_SHORT_GENERATION = re.compile(r"(?:gen-)?([0-9]{1,12})")
+
+
+def expand_generation_name(name: str) -> str:
+    """A generation name as a person types it: ``3300``, ``gen-3300`` and ``gen-000000003300``
+    all name ``gen-000000003300``. Anything else comes back unchanged (a name, never a path)."""
+    match = _SHORT_GENERATION.fullmatch(name)
+    return generation_name(int(match.group(1))) if match else name
+
+
 def parse_generation(name: str) -> int | None:
     """The update number of a generation name, or None when ``name`` is not one."""
     match = _GEN_RE.fullmatch(name) if isinstance(name, str) else None

@@ -29,11 +29,11 @@ from ..format.inventory import is_committed
 from ..format.manifest import MANIFEST_NAME, Manifest, parse_generation
 from ..format.validate import check_sizes, check_structure
 from ..memory.runner import MemoryTierRunner
-from ..ops.done import DONE_NAME, DoneRecord, record_for
-from ..ops.done import write_done as write_done_record
 from ..save.replay import read_mirror_state
 from ..tiers.base import CommitTier
 from ..version import __version__
+from .done import DONE_NAME, DoneRecord, record_for
+from .done import write_done as write_done_record
 from .replication import ReplayChain
 
 

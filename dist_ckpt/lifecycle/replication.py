@@ -17,10 +17,10 @@ Incremental generations: each channel copies a shared object only where its dest
 lacks it, and publishes only once the destination holds every object the generation lists
 (``save/replay.py``); the persist channel publishes under the root's retention lock.
 
-Each tier keeps its own retention: memory (``MemoryTierRunner.prune_memory``: the newest plus
-what the persist channel still needs), the root (``keep_last``; with the memory tier after each
-persistence and each mirror upload, never a generation the mirror still needs), the mirror
-(``mirror_keep_last``, after each upload).
+Every tier's retention is the one owner's (``lifecycle/pruning.py``): the channels call it,
+memory (the newest plus what the persist channel still needs), the root (``keep_last``; with
+the memory tier after each persistence and each mirror upload, never a generation the mirror
+still needs), the mirror (``mirror_keep_last``, after each upload).
 """
 
 from __future__ import annotations
@@ -116,10 +116,8 @@ def open_replayer(ctx: Context, memory: MemoryTierRunner | None, pruner: Pruner)
     config, tiers = ctx.config, ctx.tiers
     stages: list[Replayer] = []
     if memory is not None:
-        persist = memory.start_persisting(ctx.comm, ctx.root_groups)
-        # the root is pruned by the mirror's thread too: a sweep between the persistence's
-        # check of the root's shared objects and its publish could remove one it relies on
-        persist.publish_lock = memory.root_lock
+        persist = memory.start_persisting(ctx.comm, pruner, ctx.root_groups)
+        persist.publish_lock = pruner.root_lock  # the mirror's thread prunes the root too
         stages.append(persist)
     policy = None
     if tiers.mirror is not None:
@@ -127,26 +125,14 @@ def open_replayer(ctx: Context, memory: MemoryTierRunner | None, pruner: Pruner)
         mirror = Replayer(
             ctx.comm, tiers.root, tiers.mirror, queue_length=config.mirror_queue,
             timeout_s=config.mirror_timeout_s, signing_key=config.signing_key,
-            prune_destination=pruner.prune_destination if config.mirror_keep_last else None,
+            prune_destination=pruner.prune_mirror if config.mirror_keep_last else None,
             nice=config.background_nice, channel="mirror", chained=memory is not None)
-        if memory is not None:
-            memory.root_pinned = mirror.pending  # root retention keeps what the mirror needs
-            if ctx.is_root_rank and config.keep_last:
-                mirror.on_settled = _safe(memory.prune_root)
-        elif ctx.is_root_rank and config.keep_last:
-            mirror.on_settled = pruner.submit
+        pruner.root_pinned = mirror.pending  # root retention keeps what the mirror needs
+        if ctx.is_root_rank and config.keep_last:
+            # with the memory tier the pruning thread prunes only memory: the root here
+            mirror.on_settled = pruner.prune_root if memory is not None else pruner.submit
         stages.append(mirror)
     if not stages:
         return None
-    chain = ReplayChain(stages, policy)
-    pruner.replayer = chain
-    return chain
+    return ReplayChain(stages, policy)
 
-
-def _safe(prune):
-    def run() -> None:
-        try:
-            prune()
-        except Exception:  # noqa: BLE001 - retention must never stop a replay thread
-            log.exception("root retention pass failed")
-    return run

@@ -13,12 +13,13 @@ Call order:
   True means "enqueue G for persistence" (``PersistPolicy``: every ``persist_every``-th,
   and/or once ``persist_interval_s`` passed since the last one chosen);
 - ``force(G)``: rank 0, from ``finish()``: G is persisted whatever the count;
-- ``prune_memory``: each filesystem leader's pruning thread after each in-memory commit, and
-  rank 0's after each persistence settles: keep the newest committed in-memory generation,
-  plus those being persisted (the one being written is a pending directory, never pruned);
-- ``prune_root``: rank 0's replay thread after each completed persistence (``keep_last``), and
-  on a node-local root each other node's leader after publishing its node's copy; never a
-  generation ``root_pinned`` names (the mirror's still to upload);
+- retention is not decided here: the job's one owner (``lifecycle/pruning.py``, the
+  ``Retention`` given to ``start_persisting``) prunes memory and root. This runner gives it
+  what only the memory tier knows: ``memory_pins`` (generations still being persisted, those
+  a lost peer rebuilds from, those forced) under ``memory_prune_lock``, and calls its
+  ``prune_root`` from the persistence thread (rank 0 after each completed persistence; on a
+  node-local root each other node's leader after publishing its node's copy) and its
+  ``prune_memory`` after each persistence settles (rank 0);
 - ``before_restore``: every rank at the start of ``restore()`` (collective; ``memory/ring.py``);
 - ``after_restore``: every rank after ``restore()``; the filesystem leaders drop in-memory
   generations newer than the one resumed from (rejected, or saved by another world size).
@@ -31,13 +32,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .. import logs, runinfo
 from ..config import CheckpointConfig
-from ..ops import retention
 from ..protocol.comm import Comm
-from ..protocol.messages import PINS_KEY
 from ..save.replay import Replayer
 from ..tiers.base import CommitTier
 from ..tiers.placement import RootGroups
@@ -75,6 +74,14 @@ class PersistPolicy:
         return by_count or by_time
 
 
+class Retention(Protocol):
+    """The job's retention owner, as the persistence thread calls it."""
+
+    def prune_root(self) -> None: ...
+
+    def prune_memory(self) -> None: ...
+
+
 class MemoryTierRunner:
     """One per rank. ``tier`` is the save target; ``root`` the persistent tier behind it."""
 
@@ -86,22 +93,22 @@ class MemoryTierRunner:
         self.policy = PersistPolicy(config)
         self._forced: set[str] = set()
         self._lock = threading.Lock()
-        self.root_lock = threading.Lock()  # the persist and mirror threads both prune the root
-        self.root_pinned: Callable[[], set[str]] | None = None  # the mirror's still to upload
         self.ring: NodeRing | None = None
 
-    def start_persisting(self, comm: Comm, groups: RootGroups | None = None) -> Replayer:
+    def start_persisting(self, comm: Comm, retention: Retention,
+                         groups: RootGroups | None = None) -> Replayer:
         """Every rank, once the filesystem groups are known: the replay thread to the root
-        (``groups``: with a node-local root, each node's leader publishes its node's copy)."""
+        (``groups``: with a node-local root, each node's leader publishes its node's copy),
+        which calls ``retention`` after each persistence."""
         self.persister = Replayer(
             comm, self.tier, self.root, queue_length=self.config.mirror_queue,
             timeout_s=self.config.mirror_timeout_s, signing_key=self.config.signing_key,
-            prune_destination=self.prune_root if self.config.keep_last else None,
+            prune_destination=retention.prune_root if self.config.keep_last else None,
             nice=self.config.background_nice, channel="persist", groups=groups)
         if self.config.keep_last:
-            self.persister.on_copied = self.prune_root
+            self.persister.on_copied = retention.prune_root
         if comm.rank == 0:
-            self.persister.on_settled = self.prune_memory
+            self.persister.on_settled = retention.prune_memory
         self.ring = NodeRing(comm, self.tier, replicate=self.config.memory_replica,
                              backend=self.config.peer_backend)
         self.tier.peers = self.ring
@@ -117,29 +124,19 @@ class MemoryTierRunner:
         with self._lock:
             self._forced.add(generation)
 
-    def prune_memory(self) -> None:
-        """Janitor thread (leaders) and rank 0's persistence thread: never while this node's
-        generation is being sent to its ring successor (the ring's lock)."""
-        pinned = frozenset(self.persister.pending()) if self.persister is not None else frozenset()
-        with self.ring.push_lock if self.ring is not None else contextlib.nullcontext():
-            try:
-                if self.ring is not None:  # a lost node's peers keep what rebuilds it
-                    pinned |= self.ring.protected()
-                retention.prune(self.tier, keep_last=MEMORY_KEEP, pinned=pinned | self._forced,
-                                key=self.config.signing_key)
-            except Exception:  # noqa: BLE001 - retention must never break training
-                log.exception("memory tier retention pass failed")
+    def memory_prune_lock(self) -> contextlib.AbstractContextManager:
+        """Held while memory is pruned: never while this node's generation is being sent to
+        its ring successor (the ring's lock)."""
+        return self.ring.push_lock if self.ring is not None else contextlib.nullcontext()
 
-    def prune_root(self) -> None:
-        pinned = set(retention.read_pins(self.root.store))
-        if self.persister is not None:  # pins.json is on rank 0's node: the store has them
-            pinned |= self.persister.comm.read_names(PINS_KEY)
-        if self.root_pinned is not None:
-            pinned |= self.root_pinned()
-        with self.root_lock:
-            retention.prune(self.root, keep_last=self.config.keep_last,
-                            keep_every=self.config.keep_every, key=self.config.signing_key,
-                            pinned=frozenset(pinned))
+    def memory_pins(self) -> frozenset[str]:
+        """In-memory generations no retention pass may remove: those still being persisted,
+        those a lost node's peers rebuild it from, those forced to the root. Under
+        ``memory_prune_lock``."""
+        pinned = frozenset(self.persister.pending()) if self.persister is not None else frozenset()
+        if self.ring is not None:
+            pinned |= self.ring.protected()
+        return pinned | frozenset(self._forced)
 
     def replicate(self) -> None:
         """Filesystem leaders, pruning thread, before ``prune_memory``: the ring copies."""

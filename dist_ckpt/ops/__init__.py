@@ -1,5 +1,6 @@
-"""Offline tools over generations: retention and pins, DONE records, diff and release export.
+"""Offline tools over generations: diff and release export.
 
-They run from the CLI as well as from a job (retention, DONE), and hold no job state.
-May import every lower layer; the memory tier, the lifecycle and the manager import them.
+They run from the CLI (and from Python) over roots, and hold no job state. Retention and
+DONE run inside the job: they live in ``lifecycle/``.
+May import every lower layer; the CLI and the public names import them.
 """

@@ -39,6 +39,7 @@ from ..format.manifest import (
     GLOBAL_STATE_FILE,
     METADATA_FILE,
     Manifest,
+    expand_generation_name,
     is_object_path,
     parse_generation,
     rank_state_file,
@@ -137,8 +138,11 @@ class Generation:
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:
-    """``ROOT`` -> (ROOT, None); ``ROOT/gen-NNNNNNNNNNNN`` -> (ROOT, name)."""
+    """``ROOT`` -> (ROOT, None); ``ROOT/gen-NNNNNNNNNNNN`` -> (ROOT, name), the short forms of
+    the name too (``ROOT/gen-6``; a bare number is a directory's name, not a generation's)."""
     head, _, tail = spec.rstrip("/").rpartition("/")
+    if tail.startswith("gen-"):
+        tail = expand_generation_name(tail)
     if parse_generation(tail) is None:
         return spec, None
     if head.endswith(":/") or head.endswith(":"):  # s3://gen-... names a bucket, not a generation

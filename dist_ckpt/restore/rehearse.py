@@ -10,10 +10,17 @@ validates, or the one named), then checks, naming the component that fails:
    state paired with the same parameters);
 3. ``rng``: the saved per-rank RNG schema (sources, NumPy generator names) matches this job's;
 
-then loads it for real (``load_generation``), runs ``step_fn(state) -> loss`` once when given,
-and digests the updated tensors of every rank (all-gather). Rank 0 records the outcome in
+then loads it for real (``load_generation``), runs ``step_fn(state) -> loss`` once, and
+digests the updated tensors of every rank (all-gather). Rank 0 records the outcome in
 ``ROOT/rehearsals.json``; with ``CheckpointConfig(require_rehearsal=True)`` retention keeps
 older generations until the newest committed one has passed.
+
+A rehearsal passes only once an update ran on the restored state: without ``step_fn`` it
+fails in ``update`` (after loading), and under ``dist-ckpt rehearse --script`` the record the
+restore writes says the script has not trained yet until the script's next save records the
+digest after at least one update (:func:`end_script_rehearsal`; a save at the generation's own
+update records a failure). :func:`passed` also requires the digest of that update, so no
+record of an older version unlocks retention without one.
 """
 
 from __future__ import annotations
@@ -68,8 +75,13 @@ class RehearsalResult:
     rejected: list[str] = field(default_factory=list)
 
 
-def rehearse(ctx: Context, generation: str | None,
-             step_fn: Callable[[Any], float] | None) -> RehearsalResult:
+NO_UPDATE = "no update ran on the restored state"
+
+
+def rehearse(ctx: Context, generation: str | None, step_fn: Callable[[Any], float] | None,
+             *, script: bool = False) -> RehearsalResult:
+    """``script``: under ``dist-ckpt rehearse --script``, where the script's own training is
+    the update; the outcome is recorded at its next save (:func:`end_script_rehearsal`)."""
     comm, config = ctx.comm, ctx.config
     name, manifest, tier, rejected = _choose(ctx, generation)
     try:
@@ -82,13 +94,18 @@ def rehearse(ctx: Context, generation: str | None,
         except (DistCkptError, KeyError, RuntimeError) as exc:
             raise RehearsalFailed(name, "load", f"{type(exc).__name__}: {exc}") from exc
         result = RehearsalResult(name, manifest.next_update, rejected=[str(p) for p in rejected])
-        if step_fn is not None:
-            result.loss = float(step_fn(ctx.state))
-            result.digest = _digest(ctx)
+        if script:
+            _record(ctx, name, {"passed": False, "component": "update",
+                                "reason": f"{NO_UPDATE}: the script has not reached its next save"})
+            return result
+        if step_fn is None:
+            raise RehearsalFailed(name, "update", f"{NO_UPDATE} (loaded; rehearse() takes step_fn)")
+        result.loss = float(step_fn(ctx.state))
+        result.digest = _digest(ctx)
     except RehearsalFailed as failure:
         _record(ctx, name, {"passed": False, "component": failure.component, "reason": failure.reason})
         raise
-    _record(ctx, name, {"passed": True, "loss": result.loss, "digest": result.digest})
+    _record(ctx, name, {"passed": True, "loss": result.loss, "digest": result.digest, "updates": 1})
     return result
 
 
@@ -191,8 +208,13 @@ def read_rehearsals(backend: Store) -> dict[str, dict[str, Any]]:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def record_passed(record: dict[str, Any]) -> bool:
+    """Whether a rehearsal record is a pass: restored, trained, digested after the update."""
+    return bool(record.get("passed")) and bool(record.get("digest")) and record.get("updates", 1) >= 1
+
+
 def passed(backend: Store, generation: str) -> bool:
-    return bool(read_rehearsals(backend).get(generation, {}).get("passed"))
+    return record_passed(read_rehearsals(backend).get(generation, {}))
 
 
 def _record(ctx: Context, name: str, outcome: dict[str, Any]) -> None:
@@ -210,7 +232,15 @@ def script_mode() -> str | None:
 
 def end_script_rehearsal(ctx: Context, result: RehearsalResult, next_update: int) -> None:
     """All ranks, at the script's first save after the rehearsed restore: nothing is written;
-    the updated state's digest is recorded and the process ends successfully."""
+    the updated state's digest is recorded and the process ends (exit 0 after at least one
+    update; a save at the generation's own update records a failure and exits 1)."""
+    updates = next_update - result.next_update
+    if updates < 1:
+        _record(ctx, result.generation, {
+            "passed": False, "component": "update", "updates": updates,
+            "reason": f"{NO_UPDATE}: the script saved at update {next_update}, the generation's own "
+                      f"(let it run past update {next_update}, e.g. through --script-args)"})
+        raise SystemExit(1)
     _record(ctx, result.generation, {"passed": True, "loss": None, "digest": _digest(ctx),
-                                     "updates": next_update - result.next_update})
+                                     "updates": updates})
     raise SystemExit(0)

@@ -73,7 +73,7 @@ from dist_ckpt.format.manifest import (
 )
 from dist_ckpt.format.signing import KEY_ENV, SIGNATURE_NAME, sign, verify
 from dist_ckpt.format.validate import list_generations, read_manifest, read_verified, validate
-from dist_ckpt.ops.retention import PINS_NAME, read_pins
+from dist_ckpt.lifecycle.retention import PINS_NAME, read_pins
 from dist_ckpt.restore.loader import RestoreResult
 from dist_ckpt.storage.local import LocalStore
 from tests.helpers.local_jobs import make_state, two_generations

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from dist_ckpt.format.manifest import generation_name
-from dist_ckpt.ops.retention import prune
+from dist_ckpt.lifecycle.retention import prune
 from dist_ckpt.tiers import open_tier
 from tests.helpers.incremental_faults import (
     build,

@@ -14,7 +14,7 @@ from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.inventory import inspect_generation
 from dist_ckpt.format.manifest import MANIFEST_NAME, REASON_NAME, REJECTED_DIR, REJECTED_MARKER_PREFIX
 from dist_ckpt.format.validate import Problem, validate
-from dist_ckpt.ops.retention import plan_prune
+from dist_ckpt.lifecycle.retention import plan_prune
 from dist_ckpt.storage.objectstore import ObjectStore
 from dist_ckpt.tiers import open_tier
 from dist_ckpt.tiers.rejected_store import mark_and_move
