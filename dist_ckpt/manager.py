@@ -11,6 +11,7 @@ background for an asynchronous save and coordinates only through the c10d store.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import tempfile
@@ -98,10 +99,12 @@ class CheckpointManager:
         self.marks = marks.open_writer(runinfo.launch_dir(), self.comm.rank)
         self.preemption = PreemptionWatch(self.comm, runinfo.preempt_notice_path(),
                                           timeout_s=config.commit_timeout_s)
+        # an object-store root's local scratch; this manager's own (no cache_dir) goes at close
+        self._scratch = None if config.cache_dir else os.path.join(
+            tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}")
         root = open_tier(config.root, TierOptions(
             storage_options=dict(config.storage_options or {}),
-            scratch_root=config.cache_dir or os.path.join(
-                tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}"),
+            scratch_root=config.cache_dir or self._scratch,
             upload_verification=config.upload_verification, direct_io=config.direct_io,
             # a mirror holds every shared object once more, off this disk: no second copy then
             object_copies=config.object_copies if config.mirror is None else 1))
@@ -123,7 +126,7 @@ class CheckpointManager:
         self.after_commit = AfterCommit(self.ctx, self.staging, self.memory, self.replayer, self.pruner)
         self.plans = SavePlanCache(self.comm)
         self.reuse = open_ledger(config, state, single_copy=len(self.comm.fs_group) == self.comm.world_size,
-                                 shares_objects=getattr(self.tiers.target, "shares_objects", False))
+                                 shares_objects=self.tiers.target.shares_objects)
         self.inflight = InFlight(self.comm)
         self._closed = False
         self._rehearsal: RehearsalResult | None = None
@@ -422,6 +425,9 @@ class CheckpointManager:
                 self.staging.free()
             self.plans.clear()
             self.comm.close()
+            if self._scratch is not None and not self.inflight.jobs:
+                with contextlib.suppress(OSError):  # absent, or still holding a save's files
+                    os.rmdir(self._scratch)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -37,6 +37,7 @@ from dist_ckpt import launcher_api as api
 from dist_ckpt.launcher_api import atomic_write
 
 MESSAGE_LIMIT = 4000
+TORCHRUN_LOGS = "torchrun-logs"
 CLOSED_RETRY_S = 60.0  # how long a start joins again a rendezvous still closed
 CLOSED_PAUSE_S = 1.0
 # what a --run-path worker started by fork or forkserver finds imported: a training script's
@@ -104,6 +105,13 @@ def run(args: Any) -> None:
         torchrun.run(args)
 
 
+def keep_logs_in_start(args: Any, start_dir: str) -> None:
+    """torchrun's log directory, unless the job chose one: inside this start's directory,
+    not a new ``/tmp/torchelastic_*`` left behind by every start."""
+    if args.log_dir is None and start_dir:
+        args.log_dir = os.path.join(start_dir, TORCHRUN_LOGS)
+
+
 def _run_once_open(args: Any) -> None:
     """torchrun's ``run``; joined again while the rendezvous it finds is the previous start's,
     still closing (another node's agent ends that round after its workers failed: a start
@@ -131,6 +139,7 @@ def main(argv: list[str]) -> int:
         if args is None:  # a usage error: the same on every start, so the launcher stops
             atomic_write(result_path, json.dumps(result).encode())
             return 2
+        keep_logs_in_start(args, os.environ.get(api.LAUNCH_DIR_ENV, ""))
         _run_once_open(args)
         result["ok"] = True
     except ChildFailedError as exc:

@@ -20,11 +20,11 @@ LAYERS: list[set[str]] = [
     {"tiers"},
     {"context"},
     {"save", "restore"},
-    {"ops", "testing"},
+    {"testing"},
     {"memory"},
     {"lifecycle"},
     {"manager"},
-    {"cli", "__init__", "launcher_api", "diff", "export"},  # diff, export: the ops modules' old names
+    {"cli", "__init__", "launcher_api", "diff", "export"},  # diff, export: offline tools
 ]
 # names that only the tier and storage implementations may use: deciding by the kind of root
 KIND_NAMES = {"is_remote", "ObjectStore", "LocalStore", "ObjectStoreTier", "RenameTier"}
@@ -124,3 +124,20 @@ def test_every_module_is_in_the_map() -> None:
     expected |= {str(p.relative_to(PACKAGE.parent)) for p in launcher.rglob("*.py")}
     missing = sorted(m for m in expected if not m.endswith("__init__.py") and m not in named)
     assert missing == [], f"modules missing from {MAP.name}: {missing}"
+
+
+def test_capabilities_are_declared_not_probed() -> None:
+    """``shares_objects`` (CommitTier) and ``local_path`` (StoreReader) are on their protocols:
+    every implementation declares them, and no module probes for them with getattr."""
+    from dist_ckpt.memory.tier import MemoryTier
+    from dist_ckpt.storage.local import LocalStore
+    from dist_ckpt.storage.objectstore import ObjectStore
+    from dist_ckpt.tiers.objectstore import ObjectStoreTier
+    from dist_ckpt.tiers.rename import RenameTier
+
+    probe = re.compile(r"getattr\([^)]*[\"'](shares_objects|local_path)[\"']")
+    assert [str(p) for p in PACKAGE.rglob("*.py") if probe.search(p.read_text())] == []
+    assert (RenameTier.shares_objects, MemoryTier.shares_objects, ObjectStoreTier.shares_objects) == (
+        True, True, False)
+    assert LocalStore("/tmp").local_path("a") == "/tmp/a"
+    assert ObjectStore.local_path(None, "a") is None  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_ckpt.cli.app import main as dist_ckpt_main
-from dist_ckpt.ops.diff import COMPONENTS, compare_tensors, diff
+from dist_ckpt.diff import COMPONENTS, compare_tensors, diff
 from dist_ckpt.restart.state import ALL_COMPONENTS
 from dist_ckpt.testing import run_ranks
 from tests.helpers.workers import BATCH, build, manager, train_step

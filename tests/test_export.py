@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState, cli
-from dist_ckpt.ops.export import INDEX_NAME, RELEASE_NAME, export_generation
+from dist_ckpt.export import INDEX_NAME, RELEASE_NAME, export_generation
 from dist_ckpt.testing import run_ranks
 from tests.helpers import workers
 
@@ -182,3 +182,20 @@ def test_export_from_object_store(s3_root, tmp_path) -> None:
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensors[release["aliases"].get(name, name)], tensor), name
     assert os.listdir(tmp_path / "scratch") == []  # verified local copies are removed
+
+
+def test_export_of_a_root_says_which_newer_generation_it_passed_over(tmp_path, capsys) -> None:
+    """Issue 40 item 8: as inspect and verify do, in the same words."""
+    from tests.helpers.local_jobs import two_generations
+
+    root, out = str(tmp_path / "root"), str(tmp_path / "out")
+    two_generations(root)
+    broken = os.path.join(root, "gen-000000000003")
+    shutil.copytree(os.path.join(root, "gen-000000000002"), broken)
+    with open(os.path.join(broken, "manifest.json"), "w") as handle:
+        handle.write("{")  # torn: not a committed generation
+    assert cli.main(["export", root, "--out", out]) == 0
+    captured = capsys.readouterr()
+    assert "note: newer gen-000000000003 not committed or invalid; using gen-000000000002" in captured.err
+    assert "exported gen-000000000002" in captured.out
+    assert json.load(open(os.path.join(out, RELEASE_NAME)))["generation"] == "gen-000000000002"

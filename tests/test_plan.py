@@ -178,7 +178,7 @@ def test_save_cost_defaults_to_median_of_manifests(root: Path, capsys: pytest.Ca
     assert code == 0
     assert "median of 3 recorded saves" in out and "536.7 s" in out
 
-    data = plan_json(capsys, str(root), "--mtbf", "4h")
+    data = plan_json(capsys, str(root), "--mtbf", "4h", "--keep-last", "3")
     newest = json.loads((root / "gen-000000000030" / MANIFEST_NAME).read_bytes())
     assert data["save_cost_s"] == 10.0
     assert data["interval_s"] == pytest.approx(T_STAR_10_4H)
@@ -254,7 +254,7 @@ def test_tiers_with_and_without_prices(root: Path, tmp_path: Path,
         {"name": "local NVMe", "read_bytes_per_s": 2e9},
         {"name": "bucket", "read_bytes_per_s": 1000, "usd_per_gb_month": 0.02, "usd_per_1000_put": 0.005,
          "usd_per_1000_get": 0.0004}]})
-    data = plan_json(capsys, str(root), "--mtbf", "4h", "--tiers", tiers)
+    data = plan_json(capsys, str(root), "--mtbf", "4h", "--tiers", tiers, "--keep-last", "3")
     size, files = data["generation_bytes"], data["files_per_generation"]
     local, bucket = data["tiers"]
     assert local["name"] == "local NVMe" and bucket["restore_s"] == pytest.approx(size / 1000)
@@ -302,3 +302,17 @@ def test_usage_errors_exit_2(tmp_path: Path, empty_root: Path, capsys: pytest.Ca
     assert code == 2 and "invalid duration 'soon'" in err
     code, _, err = run(capsys, "plan", str(empty_root), "--save-cost", "10", "--keep-last", "0")
     assert code == 2 and "keep_last" in err
+
+
+def test_without_keep_last_every_generation_is_kept_as_the_library_does(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 40 item 13: one default: CheckpointConfig(keep_last=None) deletes nothing, so the
+    plan counts every save of the run as kept."""
+    from dist_ckpt import CheckpointConfig
+
+    assert CheckpointConfig(root=str(root)).keep_last is None
+    data = plan_json(capsys, str(root), "--mtbf", "14400", "--run-length", "8000s")
+    assert data["keep_last"] == math.ceil(data["saves"]) > 3
+    assert "every generation of the run" in data["sources"]["keep_last"]
+    assert data["disk_bytes"] == (data["keep_last"] + 1) * data["generation_bytes"]
+    assert plan_json(capsys, str(root), "--keep-last", "2")["keep_last"] == 2

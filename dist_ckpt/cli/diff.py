@@ -7,9 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from ..format.inventory import is_committed
-from ..format.signing import key_from_env
-from ..ops.diff import (
+from ..diff import (
     COMPONENTS,
     Difference,
     DiffReport,
@@ -18,6 +16,8 @@ from ..ops.diff import (
     open_generation,
     split_spec,
 )
+from ..format.inventory import is_committed
+from ..format.signing import key_from_env
 from ..storage.base import Store
 from .common import Refused, UsageError, checked_generation, open_root_tier
 from .inspection import root_generation

@@ -11,9 +11,10 @@ import json
 import re
 from typing import Any
 
+from ..export import DTYPE_NAMES, OutputError, export_generation
 from ..format.signing import key_from_env
-from ..ops.export import DTYPE_NAMES, OutputError, export_generation
 from .common import UsageError, checked_generation, human_bytes, open_root
+from .inspection import default_generation
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -40,7 +41,9 @@ def size_arg(text: str) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     store = open_root(args.root)
-    generation = None if args.generation is None else checked_generation(store, args.generation)
+    # as inspect and verify: a newer generation passed over is said, never skipped silently
+    generation = default_generation(store) if args.generation is None else checked_generation(
+        store, args.generation)
     try:
         info = export_generation(args.root, args.out, generation, dtype=args.dtype,
                                  max_shard_bytes=args.max_shard_size, key=key_from_env())

@@ -165,6 +165,9 @@ class QuarantinedCopy:
     def tree_size(self, rel: str) -> int:
         return self.store.tree_size(self._rel(rel))
 
+    def local_path(self, rel: str) -> str | None:
+        return self.store.local_path(self._rel(rel))
+
 
 def rm_target(store: Store, name: str) -> tuple[str, StoreReader, str]:
     """(path to delete relative to the root, store to validate through, generation name) for

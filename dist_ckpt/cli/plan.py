@@ -132,18 +132,25 @@ def build_estimate(args: argparse.Namespace, backend: Store) -> CostEstimate:
         "save_cost_s": save_cost_src, "step_time_s": step_time_src, "generation_bytes": size_src,
         "mtbf_s": "--mtbf" if args.mtbf is not None else "default 4h",
         "run_length_s": "--run-length" if args.run_length is not None else "default 30d",
-        "keep_last": "--keep-last" if args.keep_last is not None else "default 3",
+        "keep_last": "--keep-last" if args.keep_last is not None else
+        "default: every generation of the run, as CheckpointConfig's keep_last=None deletes nothing",
         "files_per_generation": "unknown: no committed generation" if newest is None else
         f"newest committed generation {newest.generation}: {len(newest.files)} files + manifest"}
-    try:
+    def estimate(keep_last: int) -> CostEstimate:
         return estimate_costs(
             save_cost_s=save_cost, mtbf_s=args.mtbf or 4 * 3600.0,
             run_length_s=args.run_length or 30 * 86400.0, step_time_s=step_time,
             generation_bytes=size, files_per_generation=None if newest is None else len(newest.files) + 1,
-            keep_last=3 if args.keep_last is None else args.keep_last, keep_every=args.keep_every,
+            keep_last=keep_last, keep_every=args.keep_every,
             prices=read_tiers_file(args.tiers), sources=sources,
             shared_bytes=plan_shared_bytes(args.generation_bytes, newest),
             shared_files=0 if newest is None else len(newest.objects))
+
+    try:
+        if args.keep_last is not None:
+            return estimate(args.keep_last)
+        # the library's default keeps every generation: as many as the run saves
+        return estimate(max(1, math.ceil(estimate(1).saves)))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 
@@ -259,7 +266,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--run-length", type=duration_arg, default=None, metavar="DUR",
                       help="wall time of the whole run (default 30d)")
     plan.add_argument("--keep-last", type=int, default=None, metavar="K",
-                      help="newest generations kept by pruning (default 3)")
+                      help="newest generations kept by pruning (default: every generation of the run, "
+                           "as the library keeps them without keep_last)")
     plan.add_argument("--keep-every", type=int, default=None, metavar="N",
                       help="milestones kept: update numbers that are multiples of N")
     plan.add_argument("--generation-bytes", type=byte_count_arg, default=None, metavar="BYTES",

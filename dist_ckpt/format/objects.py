@@ -239,8 +239,7 @@ class Candidate:
 def _local_path(store: StoreReader, rel: str) -> str | None:
     """Where ``rel`` lies on this machine's filesystem, for a store that has one (which
     has inodes); None for an object store."""
-    local_path = getattr(store, "local_path", None)
-    return local_path(rel) if local_path is not None else None
+    return store.local_path(rel)
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -269,11 +268,6 @@ def plan_sweep(store: StoreReader, *, dropping: frozenset[str] = frozenset()) ->
         identities[rel] = identity
     refs = referenced_objects(store, dropping=dropping)
     return [Candidate(rel, identity) for rel, identity in identities.items() if object_of(rel) not in refs]
-
-
-def unreferenced_objects(store: StoreReader, *, dropping: frozenset[str] = frozenset()) -> list[str]:
-    """The paths of :func:`plan_sweep` (a dry run's list)."""
-    return [c.path for c in plan_sweep(store, dropping=dropping)]
 
 
 def remove_object(store: Store, candidate: Candidate) -> bool:

@@ -89,9 +89,17 @@ class Pruner:
         pinned generation or one the mirror still has to upload."""
         config, root = self.ctx.config, self.ctx.tiers.root
         try:
-            committed = self._root_committed()
-            if not self._rehearsed(committed):
+            committed: list[str] | None = None
+            if self.memory is None or config.require_rehearsal:
+                committed = self._root_committed()
+            if not self._rehearsed(committed or []):
                 return
+            if self.memory is not None:
+                # the persistence published each generation after checking every file it
+                # copied; on a node-local root a node's copy holds only its ranks' files, which
+                # the inventory's structure check does not count as committed: the manifests
+                # that parse are the generations
+                committed = None
             # pins.json is on rank 0's node: other nodes' leaders read the pins in the store
             pinned = set(self.ctx.comm.read_names(PINS_KEY))
             if self.root_pinned is not None:

@@ -254,11 +254,10 @@ def _remove(store: Store, rel: str, defer: Callable[[Callable[[], None]], Any] |
         except FileNotFoundError:
             pass
         faults.hit("prune.manifest_removed")  # half-deleted: no manifest, files remain
-        local_path = getattr(store, "local_path", None)
-        if defer is not None and local_path is not None:
-            aside = pending_dir_name(rel, f"pruned-{uuid.uuid4().hex[:8]}")
+        local, aside = store.local_path(rel), pending_dir_name(rel, f"pruned-{uuid.uuid4().hex[:8]}")
+        if defer is not None and local is not None:
             try:
-                os.rename(local_path(rel), local_path(aside))
+                os.rename(local, store.local_path(aside))
             except FileNotFoundError:
                 return
             defer(functools.partial(_remove_quietly, store, aside))

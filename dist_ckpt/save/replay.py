@@ -305,7 +305,7 @@ class Replayer:
         destination with its size, at its root (``objects/<name>``) or, in a rename tier, in the
         attempt's pending directory (installed by the publish before its rename)."""
         pending = open_store(attempt.local_dir) \
-            if getattr(self.destination, "shares_objects", False) else None
+            if self.destination.shares_objects else None
         missing = [entry.path for entry in manifest.objects
                    if not (pending is not None and holds_object(pending, entry))
                    and not holds_object(self.destination.store, entry)]

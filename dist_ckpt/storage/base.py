@@ -42,6 +42,10 @@ class StoreReader(Protocol):
     def tree_size(self, rel: str) -> int:
         """Bytes of every file below ``rel`` (0 when absent)."""
 
+    def local_path(self, rel: str) -> str | None:
+        """Where ``rel`` lies on this machine's filesystem (which has inodes and renames), or
+        None for a store without one (an object store)."""
+
 
 class StoreWriter(Protocol):
     def put_bytes(self, rel: str, data: bytes) -> None:

@@ -128,7 +128,7 @@ class LocalStore:
         return self._path(rel)
 
     def local_path(self, rel: str) -> str:
-        """Where ``rel`` lies on this machine (an object store has no such method)."""
+        """Where ``rel`` lies on this machine."""
         return self._path(rel)
 
     def exists(self, rel: str) -> bool:

@@ -102,6 +102,10 @@ class ObjectStore:
             raise UnsafeFileError(f"{size} bytes, over the {limit} byte bound (refused unread)")
         return size
 
+    def local_path(self, rel: str) -> None:
+        """No local filesystem below an object store."""
+        return None
+
     def tree_size(self, rel: str) -> int:
         try:
             return int(self.fs.du(self._key(rel)))

@@ -123,6 +123,9 @@ class CommitTier(Protocol):
     # restore may load a generation of another world size from here (False: the memory tier,
     # whose per-node copies only a job of the same shape finds again)
     reshards: bool
+    # incremental generations: shared objects below the root, each written once and listed by
+    # every generation that holds it (format/objects.py); False: one copy per generation
+    shares_objects: bool
     # files written under local_root bypass the page cache (O_DIRECT): True where they stay on
     # a local disk until a restore (CheckpointConfig.direct_io decides); False where they are
     # memory already (tmpfs) or are read back at once (an object store's upload scratch)

@@ -198,6 +198,7 @@ class ObjectStoreTier:
     """Generations below an fsspec URL; one copy serves every rank."""
 
     shared = True
+    shares_objects = False  # a save into it keeps one copy per generation (replays: see above)
     direct_io = False  # the upload reads each file right after it is written
     kind = "object store"
     leaves_debris = True

@@ -83,6 +83,9 @@ class DictStore:
     def tree_size(self, rel: str) -> int:
         return sum(len(self.objects[k]) for k in self._below(rel))
 
+    def local_path(self, rel: str) -> None:
+        return None
+
     def put_bytes(self, rel: str, data: bytes) -> None:
         self.objects[rel] = bytes(data)
 
@@ -152,6 +155,7 @@ class DictAttempt:
 
 class DictTier:
     shared = True
+    shares_objects = False
     direct_io = False
     kind = "dict (test)"
     leaves_debris = True
