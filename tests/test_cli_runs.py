@@ -80,3 +80,22 @@ def test_a_start_that_rejected_generations_says_so(tmp_path: Path, capsys: pytes
     append(str(tmp_path), record)
     assert main(["runs", str(tmp_path)]) == 0
     assert "gen-000000000008 (2 rejected: gen-000000000012, gen-000000000010)" in capsys.readouterr().out
+
+
+def test_a_relaunched_run_numbers_its_starts_in_order_with_their_world(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 40 item 12: the launcher's start number begins at 1 with each launch; the listing
+    numbers a run's starts in order (#), shows each one's world size, and says what "no
+    figure" means."""
+    few = {"0": {"median_s_per_update": None, "updates_seen": 2, "straggler": False}}
+    second = started("0001", 1, "done", "DONE: gen-000000000012", few)
+    second.world_size = 3
+    for record in (started("0001", 1, "finished", "stopped at 6", few), second):
+        append(str(tmp_path), record)
+    assert main(["runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]
+    assert [row[:4] for row in rows] == [["1", "1", "2", "finished"], ["2", "1", "3", "done"]]
+    assert "#1, start 1 ranks: rank 0 no figure (too few updates seen to measure)" in out
+    assert "#2, start 1 ranks:" in out
+    assert out.splitlines()[2].split()[:3] == ["#", "start", "world"]

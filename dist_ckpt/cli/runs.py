@@ -1,7 +1,9 @@
 """``dist-ckpt runs ROOT``: the launcher's runs under ROOT, each start's outcome and the per-rank
 figures of its progress (own time per update, updates seen, straggler), from ``launch-log.jsonl``.
 
-ROOT is the launcher's ``--checkpoint-root``, or a run's checkpoint root under it (the log is
+Starts are numbered in order within their run (``#``), across relaunches; ``start`` is the
+launcher's own number, which begins at 1 with each launch. ROOT is the launcher's
+``--checkpoint-root``, or a run's checkpoint root under it (the log is
 looked for where ``dist-ckpt plan`` looks: ROOT, then ROOT/../..). Read only.
 """
 
@@ -46,19 +48,28 @@ def by_run(records: list[dict[str, Any]], only: str | None) -> dict[str, list[di
     return runs
 
 
+# why a rank has no figure: the launcher measures a rank's own time per update only once it
+# saw a few intervals between its progress marks (launch/watchdog.py, MIN_INTERVALS)
+NO_FIGURE = "no figure (too few updates seen to measure)"
+
+
 def rank_figures(ranks: dict[str, dict[str, Any]]) -> str:
     parts = []
     for rank, figures in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1):
         median = figures.get("median_s_per_update")
-        pace = "no figure" if median is None else f"median {median:.3g} s/update"
+        pace = NO_FIGURE if median is None else f"median {median:.3g} s/update"
         flag = ", straggler" if figures.get("straggler") else ""
         parts.append(f"rank {rank} {pace} over {figures.get('updates_seen', 0)} updates{flag}")
     return "; ".join(parts)
 
 
-def start_row(record: dict[str, Any]) -> list[str]:
+def start_row(number: int, record: dict[str, Any]) -> list[str]:
+    """``number``: the start's place in its run, across relaunches (the launcher's own start
+    number begins at 1 again with each launch)."""
     updates = record.get("updates")
-    return [f"  {record.get('start', '?')}", str(record.get("classification", "?")),
+    world = record.get("world_size")
+    return [f"  {number}", str(record.get("start", "?")), "?" if world is None else str(world),
+            str(record.get("classification", "?")),
             f"{float(record.get('duration_s') or 0):.1f}", "-" if updates is None else str(updates),
             str(record.get("resumed_from") or "?") + rejected_note(record), str(record.get("reason", ""))]
 
@@ -81,11 +92,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
     print(f"{where}: {len(runs)} run(s)")
     for run_id, starts in runs.items():
         print(f"run {run_id}: {len(starts)} start(s)")
-        print_table([["  start", "outcome", "seconds", "updates", "resumed from", "why"],
-                     *(start_row(record) for record in starts)])
-        for record in starts:
+        print_table([["  #", "start", "world", "outcome", "seconds", "updates", "resumed from", "why"],
+                     *(start_row(number, record) for number, record in enumerate(starts, 1))])
+        for number, record in enumerate(starts, 1):
             if record.get("ranks"):
-                print(f"  start {record.get('start', '?')} ranks: {rank_figures(record['ranks'])}")
+                print(f"  #{number}, start {record.get('start', '?')} ranks: {rank_figures(record['ranks'])}")
     return 0
 
 
