@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import io
 import json
+import logging
 import multiprocessing
 import os
 import sys
@@ -38,6 +39,7 @@ from dist_ckpt.launcher_api import atomic_write
 
 MESSAGE_LIMIT = 4000
 TORCHRUN_LOGS = "torchrun-logs"
+TORCHRUN_PROCS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 CLOSED_RETRY_S = 60.0  # how long a start joins again a rendezvous still closed
 CLOSED_PAUSE_S = 1.0
 # what a --run-path worker started by fork or forkserver finds imported: a training script's
@@ -105,6 +107,25 @@ def run(args: Any) -> None:
         torchrun.run(args)
 
 
+class ExpectedExits(logging.Filter):
+    """torchrun logs every worker exit but 0 as ``failed (exitcode: N)``; for a worker that
+    saved its preemption generation and exited ``PREEMPTED_EXIT`` as the launcher asked, the
+    line says that this exit is the expected one (torch prints it; the launcher cannot
+    silence it without hiding real failures)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (isinstance(record.msg, str) and record.msg.startswith("failed (exitcode: %s)")
+                and isinstance(record.args, tuple) and record.args and record.args[0] == api.PREEMPTED_EXIT):
+            record.msg += (f" [expected: exit {api.PREEMPTED_EXIT} is a worker's preemption exit "
+                           "after its save]")
+        return True
+
+
+def expect_preemption_exits() -> None:
+    """Once per agent, before torchrun runs."""
+    logging.getLogger(TORCHRUN_PROCS_LOGGER).addFilter(ExpectedExits())
+
+
 def keep_logs_in_start(args: Any, start_dir: str) -> None:
     """torchrun's log directory, unless the job chose one: inside this start's directory,
     not a new ``/tmp/torchelastic_*`` left behind by every start."""
@@ -140,6 +161,7 @@ def main(argv: list[str]) -> int:
             atomic_write(result_path, json.dumps(result).encode())
             return 2
         keep_logs_in_start(args, os.environ.get(api.LAUNCH_DIR_ENV, ""))
+        expect_preemption_exits()
         _run_once_open(args)
         result["ok"] = True
     except ChildFailedError as exc:

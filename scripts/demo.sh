@@ -14,6 +14,7 @@ echo "== phase 2: 3 ranks resume and train to update 9"
 run 3 --until 9 --save-every 3
 .venv/bin/dist-ckpt ls "$root/ckpt"
 echo "== phase 3: python -m launch; a worker is SIGKILLed at update 10; the launcher restarts the job"
+echo "   (planned: torchrun logs the kill as 'failed (exitcode: -9)', the other rank says a peer left)"
 .venv/bin/python -m launch --checkpoint-root "$root/launch" --backoff 2 --standalone --nproc-per-node 2 \
   scripts/train_example.py --updates 24 --save-every 4 --crash-at 10 --crash-marker "$root/launch/crashed"
 .venv/bin/dist-ckpt ls "$root/launch/runs/$(cat "$root/launch/current")"

@@ -192,5 +192,18 @@ def main() -> None:
     sys.exit(0)
 
 
+def run() -> None:
+    """``main``, with a peer's loss said in one line: when another rank dies (the demo's planned
+    kill, a lost node), this rank's next collective fails, and the launcher restarts the job;
+    the backend's multi-line traceback would say nothing more than this line does."""
+    try:
+        main()
+    except dist.DistError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"[train] rank {os.environ.get('RANK', '?')} stopped: a peer left the job "
+              f"({type(exc).__name__}: {first[:200]})", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    run()

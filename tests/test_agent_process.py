@@ -125,3 +125,23 @@ def test_a_start_joins_again_a_rendezvous_still_closing_but_not_after_its_worker
     with pytest.raises(RendezvousClosedError):
         agent._run_once_open(None)
     assert calls == [0]
+
+
+def test_torchruns_line_for_a_preemption_exit_says_it_is_expected() -> None:
+    """Issue 40 item 15: torch logs every non-zero worker exit as a failure; the agent's filter
+    marks exit 75 (a worker's preemption exit after its save) as the expected one, and leaves
+    every other line as torch wrote it."""
+    import logging
+
+    from dist_ckpt.launcher_api import PREEMPTED_EXIT
+    from launch.agent import ExpectedExits
+
+    def line(code: int) -> str:
+        record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, "api.py",
+                                   1, "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+                                   (code, 0, 123, "python"), None)
+        assert ExpectedExits().filter(record)
+        return record.getMessage()
+
+    assert line(PREEMPTED_EXIT).endswith("[expected: exit 75 is a worker's preemption exit after its save]")
+    assert line(-9) == "failed (exitcode: -9) local_rank: 0 (pid: 123) of binary: python"
