@@ -67,7 +67,7 @@ def test_the_report_sums_cpu_by_module(tmp_path, capsys) -> None:
         '</testsuite></testsuites>')
     assert main([str(tmp_path / "r.xml"), "--slowest", "5"]) == 0
     out = capsys.readouterr().out
-    assert "CPU of the tests: 6 s" in out
+    assert "CPU of the tests: 6 s" in out and "by module, costliest first" in out
     lines = out.splitlines()
     first = lines.index(next(line for line in lines if line.startswith("CPU of the tests")))
     assert lines[first + 1].split() == ["5.0", "s", "tests.faults.test_kill"]
