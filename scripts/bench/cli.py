@@ -36,7 +36,7 @@ The compare phase also prints each median beside its ratio to the stored baselin
 job, kind and size (scripts/bench/baselines/; scripts/bench/baseline.py) and names every cell
 worse than the baseline beyond noise.
 
-Phases and targets: see the docstring of scripts/bench/__init__.py. Not a test.
+Phases and targets: docs/performance.md. Not a test.
 """
 
 
