@@ -47,6 +47,14 @@ def _next_number(root: str) -> str:
     return f"{max(numbers, default=0) + 1:04d}"
 
 
+def _continued(root: str, current: str | None) -> str | None:
+    """Without ``--fresh`` or ``--run-id``: the active run, else a root that already holds
+    generations at its top level (continued in place as run ``root``), else None (a new run)."""
+    if current is not None:
+        return current
+    return LEGACY_RUN_ID if os.path.isdir(root) and holds_generations(root) else None
+
+
 def existing_run(root: str, *, fresh: bool, run_id: str | None) -> str | None:
     """The directory :func:`choose_run` would continue, without creating anything; None for
     a new run. A root that is not a directory is a ``RunDirError`` here too."""
@@ -54,12 +62,8 @@ def existing_run(root: str, *, fresh: bool, run_id: str | None) -> str | None:
         raise RunDirError(f"--checkpoint-root {root} is not a directory")
     if fresh:
         return None
-    if run_id is not None:
-        return run_root(root, run_id)
-    current = read_current(root)
-    if current is not None:
-        return run_root(root, current)
-    return run_root(root, LEGACY_RUN_ID) if os.path.isdir(root) and holds_generations(root) else None
+    chosen = run_id if run_id is not None else _continued(root, read_current(root))
+    return None if chosen is None else run_root(root, chosen)
 
 
 def choose_run(root: str, *, fresh: bool, run_id: str | None) -> tuple[str, str, bool]:
@@ -76,12 +80,8 @@ def choose_run(root: str, *, fresh: bool, run_id: str | None) -> tuple[str, str,
             raise RunDirError(f"--fresh --run-id {chosen}: {run_root(root, chosen)} exists already")
     elif fresh:
         chosen = _next_number(root)
-    elif current is not None:
-        chosen = current
-    elif holds_generations(root):
-        chosen = LEGACY_RUN_ID
     else:
-        chosen = _next_number(root)
+        chosen = _continued(root, current) or _next_number(root)
     directory = run_root(root, chosen)
     created = not os.path.isdir(directory)
     os.makedirs(directory, exist_ok=True)

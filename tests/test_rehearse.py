@@ -205,3 +205,17 @@ def test_a_script_rehearsal_passes_only_once_it_trained(tmp_path, monkeypatch, c
     assert rehearsal.passed(LocalStore(root), "gen-000000000002")
     assert sorted(n for n in os.listdir(root) if n.startswith("gen-")) == [
         "gen-000000000001", "gen-000000000002"]  # a rehearsal writes no generation
+
+
+def test_a_failure_in_another_component_is_not_reported_as_no_update(capsys) -> None:
+    import argparse
+
+    from dist_ckpt.cli.rehearse import report
+
+    failed = {"passed": False, "component": "model", "reason": "model.bias has shape (4,)"}
+    assert report(argparse.Namespace(json=True), 1, {"gen-000000000002": failed}) == 1
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["component"] == "model" and "problem" not in shown
+    untrained = {"passed": True, "loss": None, "digest": None}  # an earlier version's record
+    assert report(argparse.Namespace(json=True), 0, {"gen-000000000002": untrained}) == 1
+    assert json.loads(capsys.readouterr().out)["problem"] == "no update ran"

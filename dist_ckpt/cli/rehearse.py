@@ -48,7 +48,9 @@ def report(args: argparse.Namespace, returncode: int, fresh: dict[str, dict[str,
     name, record = next(iter(fresh.items()))
     ok = record_passed(record)
     idle = record.get("updates") == 0  # the script saved at the generation's own update
-    untrained = not ok and (idle or record.get("component") == "update" or not record.get("digest"))
+    # no update ran: the script's save came too early or never, or an older record passed
+    # without the digest of an update (a failure in another component is not this problem)
+    untrained = not ok and (idle or record.get("component") == "update" or bool(record.get("passed")))
     if args.json:
         print(json.dumps({"generation": name, "exit_code": returncode, **record, "passed": ok,
                           **({"problem": "no update ran"} if untrained else {})}))

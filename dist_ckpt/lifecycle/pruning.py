@@ -89,17 +89,13 @@ class Pruner:
         pinned generation or one the mirror still has to upload."""
         config, root = self.ctx.config, self.ctx.tiers.root
         try:
-            committed: list[str] | None = None
-            if self.memory is None or config.require_rehearsal:
-                committed = self._root_committed()
-            if not self._rehearsed(committed or []):
+            # behind the memory tier the persistence published each generation after checking
+            # every file it copied, and on a node-local root a node's copy holds only its ranks'
+            # files, which the inventory's structure check does not count as committed: there
+            # the manifests that parse are the generations (committed=None)
+            committed = self._root_committed() if self.memory is None else None
+            if not self._rehearsed(committed):
                 return
-            if self.memory is not None:
-                # the persistence published each generation after checking every file it
-                # copied; on a node-local root a node's copy holds only its ranks' files, which
-                # the inventory's structure check does not count as committed: the manifests
-                # that parse are the generations
-                committed = None
             # pins.json is on rank 0's node: other nodes' leaders read the pins in the store
             pinned = set(self.ctx.comm.read_names(PINS_KEY))
             if self.root_pinned is not None:
@@ -117,7 +113,7 @@ class Pruner:
         rehearsal gate."""
         config, mirror = self.ctx.config, self.ctx.tiers.mirror
         assert mirror is not None
-        if not self._rehearsed(self._root_committed() if config.require_rehearsal else []):
+        if not self._rehearsed():
             return
         retention.prune(mirror, keep_last=config.mirror_keep_last, keep_every=config.keep_every,
                         key=config.signing_key,
@@ -140,10 +136,14 @@ class Pruner:
         return [g.name for g in inventory(self.ctx.tiers.root.store, digests=False,
                                           key=self.ctx.config.signing_key) if g.state == "committed"]
 
-    def _rehearsed(self, committed: list[str]) -> bool:
+    def _rehearsed(self, committed: list[str] | None = None) -> bool:
         """The rehearsal gate, for every durable tier: with ``require_rehearsal`` nothing is
-        deleted until the root's newest committed generation passed a rehearsal."""
-        if not self.ctx.config.require_rehearsal or not committed:
+        deleted until the root's newest committed generation passed a rehearsal.
+        ``committed``: the root's, when the caller listed them already."""
+        if not self.ctx.config.require_rehearsal:
+            return True
+        committed = self._root_committed() if committed is None else committed
+        if not committed:
             return True
         if rehearsal.passed(self.ctx.tiers.root.store, committed[0]):
             return True

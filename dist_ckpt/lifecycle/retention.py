@@ -254,8 +254,9 @@ def _remove(store: Store, rel: str, defer: Callable[[Callable[[], None]], Any] |
         except FileNotFoundError:
             pass
         faults.hit("prune.manifest_removed")  # half-deleted: no manifest, files remain
-        local, aside = store.local_path(rel), pending_dir_name(rel, f"pruned-{uuid.uuid4().hex[:8]}")
-        if defer is not None and local is not None:
+        local = store.local_path(rel) if defer is not None else None
+        if local is not None:
+            aside = pending_dir_name(rel, f"pruned-{uuid.uuid4().hex[:8]}")
             try:
                 os.rename(local, store.local_path(aside))
             except FileNotFoundError:
