@@ -213,6 +213,16 @@ class CheckpointConfig(BaseModel):
         description="With `memory_tier`: also persist a committed in-memory generation once this many "
                     "seconds have passed since the last one chosen for persistence (or since the job's "
                     "start). Given without `persist_every`, persistence follows the interval alone.")
+    persist_queue: int = Field(
+        default=2, ge=1, le=64,
+        description="With `memory_tier`: committed in-memory generations waiting for persistence to "
+                    "`root` (1 to 64); beyond it the oldest waiting one is skipped (the newest always "
+                    "goes). `mirror_queue` is the mirror's.")
+    persist_timeout_s: float = Field(
+        default=1800.0, gt=0,
+        description="With `memory_tier`: deadline in seconds for every rank's report of a persistence to "
+                    "`root`, and for each node copy of a node-local root (default 30 minutes). "
+                    "`mirror_timeout_s` is the mirror's.")
     memory_replica: bool = Field(
         default=True,
         description="With `memory_tier` on more than one node: each node also keeps a copy of its ring "
@@ -354,6 +364,9 @@ class CheckpointConfig(BaseModel):
             raise FieldRuleError("mirror_every", self.mirror_every, "needs mirror (an s3:// URL)")
         if self.persist_interval_s is not None and not self.memory_tier:
             raise FieldRuleError("persist_interval_s", self.persist_interval_s, "needs memory_tier=True")
+        for name in ("persist_queue", "persist_timeout_s"):  # persistence's own: the mirror has its own
+            if getattr(self, name) != type(self).model_fields[name].default and not self.memory_tier:
+                raise FieldRuleError(name, getattr(self, name), "needs memory_tier=True")
         if self.async_save and self.keep_last is not None and self.keep_last < 2:
             raise FieldRuleError("keep_last", self.keep_last, "must be at least 2 with "
                                  "async_save=True: the newest generation may still be in flight")

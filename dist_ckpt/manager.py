@@ -10,74 +10,40 @@ background for an asynchronous save and coordinates only through the c10d store.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import functools
 import os
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from . import faults, logs, marks, runinfo
+from . import logs, marks, runinfo
 from .config import CheckpointConfig
-from .context import Context, Tiers
-from .errors import (
-    CommitError,
-    ConfigError,
-    GenerationExists,
-    NotAtOptimizerBoundary,
-)
+from .context import Context
+from .errors import CommitError, ConfigError
 from .format.inventory import GenerationInfo, inventory
 from .format.manifest import generation_name
-from .lifecycle import finish, retention
+from .lifecycle import exit_guard, finish, retention, startup
 from .lifecycle.after_commit import AfterCommit
 from .lifecycle.done import DoneRecord
-from .lifecycle.finish import FinalStep
 from .lifecycle.preemption import PreemptionWatch, stop_preempted
 from .lifecycle.pruning import Pruner
 from .lifecycle.replication import open_replayer
-from .memory.runner import MemoryTierRunner
 from .protocol.comm import Comm
-from .protocol.messages import PINS_KEY
-from .restart import codec
 from .restart import contract as contract_mod
 from .restart.state import TrainState
 from .restore import rehearse as rehearsal
 from .restore.loader import RestoreResult
 from .restore.rehearse import RehearsalResult
-from .restore.resume import resume
-from .save import agreement, facts
-from .save.coordinator import SaveJob, SaveRequest, run_save
+from .save.coordinator import SaveJob
+from .save.front import SaveFront
 from .save.inflight import InFlight, SaveStats
-from .save.planning import PreparedSave, SavePlanCache, layout_fingerprint
-from .save.request import ManifestInfo
-from .save.reuse import ReusePlan, open_ledger, seed_after_restore, settling
+from .save.planning import SavePlanCache
+from .save.reuse import open_ledger
 from .save.schedule import SaveSchedule
-from .save.snapshot import PendingCopy, lazy_snapshots, run_after_copy
-from .save.space import check_space
-from .save.staging import Staged, StagingPool, StagingSlot, stage_ahead
-from .tiers import CommitTier, TierOptions, open_tier
+from .save.snapshot import lazy_snapshots
+from .save.staging import StagingPool
 from .tiers.placement import place_tiers
-from .version import __version__
 
 log = logs.get(__name__)
-# managers not closed yet: closed at interpreter exit, before finalisation, so that no save
-# thread is still running native code when the interpreter tears down (a crash, not an exit).
-# Strong references: a manager the job dropped without close() still owns running threads
-# (nothing else refers to it: the save threads hold only their jobs), and must still be
-# closed here rather than vanish from a weak set.
-_OPEN: set[CheckpointManager] = set()
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    for manager in list(_OPEN):
-        try:
-            manager.close()
-        except Exception:  # noqa: BLE001 - an unraised save failure: logged, the exit goes on
-            log.exception("closing a CheckpointManager at interpreter exit")
 
 
 class CheckpointManager:
@@ -95,31 +61,15 @@ class CheckpointManager:
         self.state = state
         self.snapshots = lazy_snapshots(config, state)  # None unless snapshot="lazy", async
         self.comm = Comm(timeout_s=3 * config.commit_timeout_s + 600)
-        self._check_run_id()
+        startup.check_run_id(self.comm)
         self.marks = marks.open_writer(runinfo.launch_dir(), self.comm.rank)
         self.preemption = PreemptionWatch(self.comm, runinfo.preempt_notice_path(),
                                           timeout_s=config.commit_timeout_s)
-        # an object-store root's local scratch; this manager's own (no cache_dir) goes at close
-        self._scratch = None if config.cache_dir else os.path.join(
-            tempfile.gettempdir(), f"dist_ckpt-scratch-{self.comm.session}")
-        root = open_tier(config.root, TierOptions(
-            storage_options=dict(config.storage_options or {}),
-            scratch_root=config.cache_dir or self._scratch,
-            upload_verification=config.upload_verification, direct_io=config.direct_io,
-            # a mirror holds every shared object once more, off this disk: no second copy then
-            object_copies=config.object_copies if config.mirror is None else 1))
-        # memory_tier: saves commit to this node's memory; the root is fed from it
-        self.memory = MemoryTierRunner(config, root) if config.memory_tier else None
-        self.tiers = Tiers(root=root, target=self.memory.tier if self.memory is not None else root,
-                           mirror=self._open_mirror())
+        opened = startup.open_tiers(config, self.comm)
+        self.tiers, self.memory, self._scratch = opened.tiers, opened.memory, opened.scratch
         self.ctx = Context(self.comm, config, state, self.tiers,
-                           place_tiers(self.comm, config, root, self.tiers.target))
-        if self.comm.rank == 0:
-            try:
-                # leaders of other nodes read the pins from the store (pins.json is on this node)
-                self.comm.publish_names(PINS_KEY, retention.read_pins(root.store))
-            except Exception:  # noqa: BLE001 - a corrupt pins.json stops pruning, not training
-                log.exception("cannot read the pins under %s", config.root)
+                           place_tiers(self.comm, config, opened.tiers.root, self.tiers.target))
+        startup.share_pins(self.ctx)
         self.pruner = Pruner(self.ctx, self.memory)
         self.replayer = open_replayer(self.ctx, self.memory, self.pruner)
         self.staging = StagingPool(config.max_in_flight) if config.async_save else None
@@ -128,11 +78,14 @@ class CheckpointManager:
         self.reuse = open_ledger(config, state, single_copy=len(self.comm.fs_group) == self.comm.world_size,
                                  shares_objects=self.tiers.target.shares_objects)
         self.inflight = InFlight(self.comm)
+        self.front = SaveFront(self.ctx, inflight=self.inflight, plans=self.plans,
+                               staging=self.staging, snapshots=self.snapshots, reuse=self.reuse,
+                               finished=self.after_commit.finished)
         self._closed = False
         self._rehearsal: RehearsalResult | None = None
         self.schedule = None if config.save_every is None else SaveSchedule(
             every=config.save_every, auto=config.cadence == "auto", mtbf_s=config.mtbf_s)
-        _OPEN.add(self)
+        exit_guard.hold(self)
         runinfo.report(self.comm.rank, root=config.root, mirror=config.mirror,
                        world_size=self.comm.world_size, pid=os.getpid(), memory_tier=config.memory_tier,
                        contract_digest=contract_mod.digest(state.contract))
@@ -140,24 +93,6 @@ class CheckpointManager:
     @property
     def stats(self) -> SaveStats:
         return self.inflight.stats
-
-    def _open_mirror(self) -> CommitTier | None:
-        config = self.config
-        if config.mirror is None:
-            return None
-        return open_tier(config.mirror, TierOptions(
-            storage_options=dict(config.storage_options or {}),
-            concurrency=config.mirror_concurrency, upload_verification=config.upload_verification,
-            direct_io=config.direct_io))
-
-    def _check_run_id(self) -> None:
-        # launchers of different nodes that disagree on the run would mix two runs' shards
-        run_ids = self.comm.all_gather(os.environ.get(runinfo.RUN_ID_ENV))
-        if len(set(run_ids)) > 1:
-            error = ConfigError(f"ranks disagree on the launcher run id ({runinfo.RUN_ID_ENV}): "
-                                f"{dict(enumerate(run_ids))}; start every node with the same run")
-            runinfo.report_failure(error, self.comm.rank)
-            raise error
 
     # ---- save ------------------------------------------------------------------------
     @runinfo.reports_permanent
@@ -179,62 +114,12 @@ class CheckpointManager:
         preempt = may_stop and self.preemption.due(next_update)
         if preempt and self.memory is not None:
             self.memory.force(generation_name(next_update))  # to the root, whatever persist_every says
-        with self.marks.section("save", self._save_bound_s()):
+        with self.marks.section("save", self.front.bound_s()):
             # the preemption's save is never skipped for a save in flight: it blocks instead
-            job = self._save(next_update, tokens_seen, may_skip=not preempt)
+            job = self.front.save(next_update, tokens_seen, may_skip=not preempt)
         if preempt:
             self.wait()  # a failed save raises its CommitError here, not Preempted
             stop_preempted(self.ctx, self.replayer if self.memory is not None else None, next_update)
-        return job
-
-    def _save_bound_s(self) -> float:
-        # the longest save() may block: the oldest save in flight, then this one, each bounded
-        return 2 * self.config.commit_timeout_s + 60
-
-    def _save(self, next_update: int, tokens_seen: int | None, *, may_skip: bool) -> SaveJob | None:
-        started = time.perf_counter()
-        self.stats.requested += 1
-        live = self.state.tensor_state()
-        fingerprint = layout_fingerprint(live)
-        reuse = None if self.reuse is None else \
-            self.reuse.plan(live, fingerprint, self.plans.written_fqns(fingerprint))
-        keep_live = reuse.keeps_live if reuse is not None else None
-        name = generation_name(next_update)
-        ahead: Staged | None = None
-        try:
-            while True:
-                self.inflight.reap()
-                pending = facts.gather_start(self.ctx, self.inflight, self.plans, name, fingerprint,
-                                             reuse.reused_bytes if reuse is not None else 0)
-                if ahead is None and self.snapshots is None \
-                        and len(self.inflight) < self.config.max_in_flight:
-                    # the eager copy runs while the peers' facts arrive
-                    ahead = stage_ahead(self.staging, live, pending, self.comm.rank, keep_live)
-                agreed = facts.gathered(self.ctx, name, pending)
-                self.inflight.raise_agreed(sorted({g for f in agreed for g in f.errors}))
-                if not all(f.boundary for f in agreed):
-                    self.state.check_boundary()
-                    raise NotAtOptimizerBoundary("another rank is mid gradient accumulation")
-                agreement.check_extras(agreed)
-                if agreed[0].exists is not None:
-                    raise GenerationExists(f"{name} {agreed[0].exists} under {self.config.root}")
-                if not any(f.busy for f in agreed):
-                    break
-                if self.config.in_flight_policy == "skip" and may_skip:
-                    self.stats.skipped += 1
-                    log.warning("skipped save of %s: %d save(s) in flight", name, len(self.inflight))
-                    return None
-                # block: wait for the oldest save, then agree again (its failure raises here)
-                self.inflight.wait_oldest()
-            # once the in-flight bound allows the save: waiting or skipping comes first
-            check_space(agreed, self.config.space_headroom_bytes, self.tiers.target.local_root)
-            job = self._start(name, next_update, tokens_seen, live, fingerprint,
-                              all(f.cached for f in agreed), agreed[0].attempt_id, started, ahead, reuse)
-            ahead = None  # the job owns the slot now
-        finally:
-            if ahead is not None:  # the save did not start: the copy is dropped
-                self.staging.release(ahead.slot)  # type: ignore[union-attr]
-        self.stats.last_blocking_s = job.blocking_s
         return job
 
     def maybe_save(self, next_update: int, *, tokens_seen: int | None = None) -> SaveJob | None:
@@ -277,95 +162,11 @@ class CheckpointManager:
         if self._rehearsal is not None:  # a rehearsal writes neither a generation nor DONE
             rehearsal.end_script_rehearsal(self.ctx, self._rehearsal, final_update)
         self.marks.mark(final_update)
-        bound = self._save_bound_s() + self.config.close_timeout_s
+        bound = self.front.bound_s() + self.config.close_timeout_s
         with self.marks.section("finish", bound):
-            return self._finish(final_update, tokens_seen)
-
-    def _finish(self, final_update: int, tokens_seen: int | None) -> DoneRecord:
-        self.wait()
-        name = generation_name(final_update)
-        step = finish.final_step(self.ctx, name, self.memory)
-        if self.replayer is not None:
-            self.replayer.force(name)  # the mirror too, whatever mirror_every says
-        if step is FinalStep.SAVE:
-            self._marked_save(final_update, tokens_seen, may_stop=False)
-        elif step is FinalStep.PERSIST_FROM_MEMORY:
-            assert self.memory is not None
-            finish.persist_from_memory(self.ctx, self.memory, name)
-        self.wait()
-        return finish.write_done(self.ctx, name, self.replayer)
-
-    def _stage(self, live: dict, name: str, fingerprint: str, all_cached: bool, ahead: Staged | None,
-               reuse: ReusePlan | None) -> tuple[StagingSlot | None, PreparedSave, PendingCopy | None]:
-        """This rank's staged copy (or, without staging, the live tensors) and its save plan;
-        returns (slot, prepared plan, lazy copy still to run)."""
-        if ahead is not None:
-            slot = ahead.slot
-        else:
-            faults.hit("stage.before", self.comm.rank)
-            slot = self.staging.acquire() if self.staging is not None else None
-        pending: PendingCopy | None = None
-        try:
-            if reuse is not None and not all_cached and reuse.stage_everything_written() \
-                    and ahead is not None:
-                ahead = Staged(ahead.slot, ahead.slot.stage(live, reuse.keeps_live))  # plans again
-            if ahead is not None:
-                staged = ahead.staged
-            elif slot is None:
-                staged = live
-            elif self.snapshots is not None:
-                staged, pending = self.snapshots.begin(slot, live, generation=name, rank=self.comm.rank,
-                                                       timeout_s=self.config.commit_timeout_s,
-                                                       keep_live=reuse and reuse.keeps_live)
-            else:
-                staged = slot.stage(live, reuse and reuse.keeps_live)
-            return slot, self.plans.prepare(staged, fingerprint, all_cached), pending
-        except BaseException:
-            if slot is not None:
-                self.staging.release(slot)  # type: ignore[union-attr]
-            raise
-
-    def _start(self, name: str, next_update: int, tokens_seen: int | None, live: dict,
-               fingerprint: str, all_cached: bool, attempt_id: str, started: float,
-               ahead: Staged | None = None, reuse: ReusePlan | None = None) -> SaveJob:
-        state = self.state
-        state.next_update = next_update
-        if tokens_seen is not None:
-            state.tokens_seen = tokens_seen
-        slot, prepared, pending = self._stage(live, name, fingerprint, all_cached, ahead, reuse)
-        is_root = self.comm.rank == 0
-        request = SaveRequest(
-            generation=name, next_update=next_update, tokens_seen=state.tokens_seen,
-            attempt=self.tiers.target.begin(name, attempt_id), prepared=prepared,
-            signing_key=self.config.signing_key,
-            digest_algorithm=self.config.digest_algorithm, reuse=reuse,
-            rank_state=codec.dumps(state.rank_state()),
-            global_state=codec.dumps(state.global_state()) if is_root else None,
-            info=ManifestInfo(world_size=self.comm.world_size, components=list(state.components),
-                             contract=state.contract,
-                             contract_digest=contract_mod.digest(state.contract),
-                             contract_values=state.contract_spec.values or None,
-                             dist_ckpt_version=__version__) if is_root else None,
-        )
-        job = SaveJob(request, on_done=settling(self.reuse, reuse, fingerprint, next_update,
-                                                functools.partial(self.after_commit.finished, slot)))
-        job.blocking_s = time.perf_counter() - started  # set before the background thread starts
-        args = (job, self.comm, self.config.io_threads, self.config.commit_timeout_s)
-        if self.config.async_save:
-            job.thread = threading.Thread(target=run_after_copy,
-                                          args=(pending, *args, self.config.background_nice),
-                                          daemon=True, name=f"dist-ckpt-save-{name}")
-            self.inflight.add(job)
-            if pending is not None:
-                self.snapshots.track(pending)  # type: ignore[union-attr]
-            job.thread.start()
-        else:
-            run_save(*args)
-            job.blocking_s = time.perf_counter() - started
-            self.inflight.add(job)
-            self.inflight.reap()
-            self.inflight.raise_unraised()
-        return job
+            return finish.end_run(self.ctx, generation_name(final_update), self.memory, self.replayer,
+                                  lambda: self._marked_save(final_update, tokens_seen, may_stop=False),
+                                  self.wait)
 
     # ---- draining --------------------------------------------------------------------
     def wait(self, timeout_s: float | None = None) -> None:
@@ -397,7 +198,7 @@ class CheckpointManager:
         staging buffers and the cached plan are dropped, and the checkpoint gloo group is
         destroyed and freed, which joins its worker threads. Local to this rank: no collective.
         """
-        _OPEN.discard(self)
+        exit_guard.release(self)
         if self._closed:
             return
         deadline = time.monotonic() + self.config.close_timeout_s
@@ -424,10 +225,9 @@ class CheckpointManager:
             if self.staging is not None and not self.inflight.jobs:
                 self.staging.free()
             self.plans.clear()
-            self.comm.close()
-            if self._scratch is not None and not self.inflight.jobs:
-                with contextlib.suppress(OSError):  # absent, or still holding a save's files
-                    os.rmdir(self._scratch)
+            self.comm.close(0.0 if after_error else self.config.close_timeout_s)
+            if not self.inflight.jobs:
+                startup.remove_scratch(self._scratch)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -446,17 +246,13 @@ class CheckpointManager:
         self.wait_staged()  # loading writes into the live tensors
         target = rehearsal.script_mode()
         if target is not None:
-            self._rehearsal = rehearsal.rehearse(self.ctx, None if target == "newest" else target, None,
-                                                 script=True)
+            generation = None if target == "newest" else target
+            self._rehearsal = rehearsal.rehearse(self.ctx, generation, None, script=True)
             return RestoreResult(next_update=self._rehearsal.next_update,
                                  generation=self._rehearsal.generation)
         with self.marks.section("restore", self.comm.timeout_s):
-            if self.memory is not None:
-                self.memory.before_restore()
-            result = resume(self.ctx, components, allow_contract_change, verify_digests, on_all_rejected)
-            if self.memory is not None:
-                self.memory.after_restore(self.comm, result)
-            seed_after_restore(self.reuse, self.state, result, self.tiers.target)
+            result = startup.restore(self.ctx, self.memory, self.reuse, components, allow_contract_change,
+                                     verify_digests, on_all_rejected)
         if self.schedule is not None and result.generation is not None:
             self.schedule.last_saved = result.next_update
         return result

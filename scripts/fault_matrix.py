@@ -58,6 +58,15 @@ ROWS = [
     Row("rank 0 SIGKILLed during the commit", "collected, before manifest, before / after rename, "
         "before latest", "a restart sees the old or the new generation, complete, never a mix",
         [f"{F}/test_kill.py::test_rank0_killed_at_each_commit_point"]),
+    Row("rank SIGKILLed at each node-protocol step", "4 ranks in nodes of 2: the second node's "
+        "leader before / after it posts its node's key; rank 0 after the node keys and after "
+        "claiming the commit", "every survivor records one verdict; the restart restores the "
+        "previous generation or the new one complete; nothing committed lost",
+        [f"{F}/test_kill.py::test_rank_killed_at_each_node_protocol_step"]),
+    Row("publish outlasting the deadline", "rank 0 held before / after it claims the commit, "
+        "until the other node's leader reached its deadline", "failed everywhere (the leader's "
+        "claim came first) or committed everywhere (rank 0's did); never split",
+        [f"{F}/test_kill.py::test_a_publish_outlasting_the_deadline_has_one_verdict"]),
     Row("power loss at every persistence point", "FUSE power-loss filesystem: cut after each "
         "fsync / rename / directory fsync of a save",
         "restore yields a complete, verified generation, at least the last save that returned",

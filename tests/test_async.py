@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
+from dist_ckpt.protocol.comm import PendingGather
 from dist_ckpt.testing import run_ranks
 from tests.helpers import async_workers
 
@@ -100,7 +101,21 @@ def test_gather_frames_fall_back_when_an_object_does_not_fit() -> None:
     ranks = run_ranks(2, async_workers.gather_frames, timeout_s=60)
     for result in ranks:
         assert result["small"] == [{"rank": 0}, {"rank": 1}]
-        assert result["mixed"] == [(0, 0), (1, 2 * 16384)]
+        assert result["mixed"] == [(0, 0), (1, 2 * PendingGather.FRAME_BYTES)]
+
+
+def test_the_agreement_frame_is_small() -> None:
+    """Issue 41: the save agreement all-gathers a fixed frame per rank; at 16k ranks a
+    16 KiB frame was 256 MiB per rank for about 200 bytes of facts."""
+    import pickle
+
+    from dist_ckpt.protocol.messages import SaveFacts, SpaceFacts
+
+    facts = SaveFacts(busy=False, errors=("gen-000000000001",), boundary=True, cached=True,
+                      space=SpaceFacts(leader=0, bytes=2**40, free=2**41),
+                      extras={"data": "ab" * 32}, exists=None, attempt_id="0123456789ab")
+    assert PendingGather.FRAME_BYTES <= 512
+    assert len(pickle.dumps(facts)) <= PendingGather.FRAME_BYTES - 8
 
 
 def test_a_broken_agreement_fails_the_save_with_a_commit_error(tmp_path, monkeypatch) -> None:

@@ -17,8 +17,8 @@ from dist_ckpt.format.validate import Problem
 from dist_ckpt.lifecycle.retention import change_pin, read_pins, set_pin
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.tiers.rejected import move_aside
-from tests.helpers.cli_runs import flip_byte, private_copy, run
-from tests.helpers.local_jobs import make_state, step, two_generations
+from tests.helpers.cli_runs import flip_byte, run, two_generation_roots
+from tests.helpers.local_jobs import make_state, step
 from tests.helpers.roots import make_two_gen_root
 
 GEN1 = "gen-000000000001"
@@ -26,17 +26,8 @@ GEN2 = "gen-000000000002"
 SHARD = "dcp/__0_0.distcp"
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("ops-template")
-    two_generations(str(root))
-    return root
-
-
-@pytest.fixture
-def root(template: Path, tmp_path: Path) -> Path:
-    """A private copy of gen-1 and gen-2 (latest.json -> gen-2), free to damage."""
-    return private_copy(template, tmp_path)
+# root: a private copy of gen-1 and gen-2 (latest.json -> gen-2), free to damage
+template, root = two_generation_roots("ops-template")
 
 
 def test_is_committed(root: Path) -> None:

@@ -21,7 +21,7 @@ from dist_ckpt.format.manifest import (
 )
 from dist_ckpt.protocol import messages
 from dist_ckpt.protocol.comm import Comm
-from dist_ckpt.save import common_files
+from dist_ckpt.replay import common_files
 from tests.helpers.local_jobs import make_state, step
 
 GEN = generation_name(1)

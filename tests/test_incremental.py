@@ -143,37 +143,37 @@ def _ledger() -> tuple[Tuned, torch.optim.Optimizer, ReuseLedger]:
 
 def _settled(ledger: ReuseLedger, model: Tuned, update: int) -> None:
     """Pretend a save of ``update`` wrote every candidate and committed."""
-    plan = ledger.plan({"model": model.state_dict()}, "layout")
-    plan.written = {fqn: {(0, 0): _record(ledger, plan, fqn)} for fqn in plan.proofs}
-    ledger.settle(plan, "layout", update, committed=True)
+    decision = ledger.decide({"model": model.state_dict()}, "layout")
+    decision.written = {fqn: {(0, 0): _record(ledger, decision, fqn)} for fqn in decision.proofs}
+    ledger.settle(decision, "layout", update, committed=True)
 
 
-def _record(ledger: ReuseLedger, plan, fqn: str):  # noqa: ANN001, ANN202 - test double
+def _record(ledger: ReuseLedger, decision, fqn: str):  # noqa: ANN001, ANN202 - test double
     from dist_ckpt.save.reuse import Record
 
-    return Record(plan.proofs[fqn], (finetune_jobs.WIDTH, finetune_jobs.WIDTH), None, {"path": fqn})  # type: ignore[arg-type]
+    return Record(decision.proofs[fqn], (finetune_jobs.WIDTH, finetune_jobs.WIDTH), None, {"path": fqn})  # type: ignore[arg-type]
 
 
 def test_only_frozen_parameters_over_the_small_item_size_are_candidates() -> None:
     model, _, ledger = _ledger()
-    plan = ledger.plan({"model": model.state_dict()}, "layout")
-    assert set(plan.proofs) == {"model.base1.weight", "model.base2.weight"}
-    assert plan.reused == {}
+    decision = ledger.decide({"model": model.state_dict()}, "layout")
+    assert set(decision.proofs) == {"model.base1.weight", "model.base2.weight"}
+    assert decision.reused == {}
 
 
 def test_proof_holds_until_the_parameter_changes() -> None:
     model, _, ledger = _ledger()
     _settled(ledger, model, 1)
-    assert set(ledger.plan({"model": model.state_dict()}, "layout").reused) == \
+    assert set(ledger.decide({"model": model.state_dict()}, "layout").reused) == \
         {"model.base1.weight", "model.base2.weight"}
     with torch.no_grad():
         model.base1.weight.mul_(1.0)  # same values, but a write: the proof is gone
-    plan = ledger.plan({"model": model.state_dict()}, "layout")
-    assert set(plan.reused) == {"model.base2.weight"}
+    decision = ledger.decide({"model": model.state_dict()}, "layout")
+    assert set(decision.reused) == {"model.base2.weight"}
     # another layout (fingerprint) or a failed save changes nothing either way
-    assert ledger.plan({"model": model.state_dict()}, "other").reused == {}
-    ledger.settle(plan, "layout", 1, committed=True)  # not newer than the records: ignored
-    assert set(ledger.plan({"model": model.state_dict()}, "layout").reused) == {"model.base2.weight"}
+    assert ledger.decide({"model": model.state_dict()}, "other").reused == {}
+    ledger.settle(decision, "layout", 1, committed=True)  # not newer than the records: ignored
+    assert set(ledger.decide({"model": model.state_dict()}, "layout").reused) == {"model.base2.weight"}
 
 
 def test_a_parameter_out_of_every_param_group_is_frozen() -> None:
@@ -182,20 +182,20 @@ def test_a_parameter_out_of_every_param_group_is_frozen() -> None:
     model.base1.requires_grad_(True)  # trainable flag, but the optimizer never steps it
     optimizer = torch.optim.AdamW(list(model.adapter.parameters()) + list(model.head.parameters()))
     ledger = ReuseLedger(model, optimizer, full_every=0)
-    assert set(ledger.plan({"model": model.state_dict()}, "layout").proofs) == \
+    assert set(ledger.decide({"model": model.state_dict()}, "layout").proofs) == \
         {"model.base1.weight", "model.base2.weight"}
     optimizer.add_param_group({"params": [model.base1.weight]})
-    assert set(ledger.plan({"model": model.state_dict()}, "layout").proofs) == {"model.base2.weight"}
+    assert set(ledger.decide({"model": model.state_dict()}, "layout").proofs) == {"model.base2.weight"}
 
 
 def test_rewrite_frozen_and_full_every_force_a_full_write() -> None:
     model, _, ledger = _ledger()
     _settled(ledger, model, 1)
     ledger.rewrite_frozen()
-    assert ledger.plan({"model": model.state_dict()}, "layout").reused == {}
-    assert ledger.plan({"model": model.state_dict()}, "layout").reused != {}
+    assert ledger.decide({"model": model.state_dict()}, "layout").reused == {}
+    assert ledger.decide({"model": model.state_dict()}, "layout").reused != {}
     ledger.full_every = 2
-    decisions = [bool(ledger.plan({"model": model.state_dict()}, "layout").reused) for _ in range(4)]
+    decisions = [bool(ledger.decide({"model": model.state_dict()}, "layout").reused) for _ in range(4)]
     assert decisions.count(False) == 2
 
 

@@ -19,7 +19,7 @@ from dist_ckpt.format.objects import COPIES_DIR, copy_path
 from dist_ckpt.format.validate import list_generations, validate
 from dist_ckpt.memory.breakpoint import persist_memory
 from dist_ckpt.memory.tier import memory_root
-from dist_ckpt.save.replay import read_mirror_state
+from dist_ckpt.replay.record import read_mirror_state
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.storage.objectstore import ObjectStore
 from tests.helpers import incremental_tiers

@@ -17,7 +17,7 @@ from dist_ckpt.errors import NoValidGeneration, ValidationError
 from dist_ckpt.format.manifest import LATEST_NAME, MANIFEST_NAME, OBJECTS_DIR, REJECTED_DIR
 from dist_ckpt.format.objects import COPIES_DIR
 from dist_ckpt.format.validate import validate
-from dist_ckpt.save.replay import read_mirror_state
+from dist_ckpt.replay.record import read_mirror_state
 from dist_ckpt.storage.local import LocalStore, file_digest
 from dist_ckpt.storage.objectstore import ObjectStore
 from dist_ckpt.testing import run_ranks

@@ -21,9 +21,9 @@ from dist_ckpt.format.objects import (
     COPIES_DIR,
     Candidate,
     copy_path,
-    plan_sweep,
     recover_aside,
     remove_object,
+    sweep_candidates,
 )
 from dist_ckpt.lifecycle.retention import prune
 from dist_ckpt.storage.local import LocalStore
@@ -41,13 +41,13 @@ from tests.helpers.incremental_faults import (
 G = generation_name
 # gens 1, 2 with the original base; base1 changed before 3: gens 3, 4 share base2's object
 # with 1 and 2, and hold base1's new object
-PLAN = [1, 2, -3, 4]
+SAVES = [1, 2, -3, 4]
 
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("incremental") / "root"
-    saved = build(str(root), PLAN)
+    saved = build(str(root), SAVES)
     return root, saved
 
 
@@ -74,9 +74,9 @@ def test_template_shares_and_changes_objects(root: str) -> None:
 
 def test_kept_generations_objects_survive_unreferenced_go(root: str, template) -> None:
     only_old, new, _ = layout(root)
-    plan = prune(open_tier(root), keep_last=2)
-    assert plan.generations == [G(2), G(1)]
-    assert plan.objects == sorted(only_old)
+    removals = prune(open_tier(root), keep_last=2)
+    assert removals.generations == [G(2), G(1)]
+    assert removals.objects == sorted(only_old)
     assert objects_on_disk(root) == new  # base2's object, shared with the dropped ones, stays
     assert check_committed(root) == [G(3), G(4)]
     name, tensors = restored(root)
@@ -91,8 +91,8 @@ def test_second_copies_go_with_their_objects(root: str) -> None:
     assert {copy_path(p) for p in only_old | new} == {f"{COPIES_DIR}/{n}" for n in os.listdir(copies)}
     dry = prune(open_tier(root), keep_last=2, dry_run=True)
     assert dry.object_copies == [copy_path(p) for p in sorted(only_old)]
-    plan = prune(open_tier(root), keep_last=2)
-    assert plan.objects == sorted(only_old) and plan.object_copies == dry.object_copies
+    removals = prune(open_tier(root), keep_last=2)
+    assert removals.objects == sorted(only_old) and removals.object_copies == dry.object_copies
     assert {f"{COPIES_DIR}/{n}" for n in os.listdir(copies)} == {copy_path(p) for p in new}
 
 
@@ -102,8 +102,8 @@ def test_pending_attempt_manifest_protects_its_objects(root: str) -> None:
     pending = Path(root) / ".pending-gen-000000000005-abcd1234"
     pending.mkdir()
     (pending / MANIFEST_NAME).write_bytes((Path(root) / G(1) / MANIFEST_NAME).read_bytes())
-    plan = prune(open_tier(root), keep_last=2)
-    assert plan.generations == [G(2), G(1)] and plan.objects == []
+    removals = prune(open_tier(root), keep_last=2)
+    assert removals.generations == [G(2), G(1)] and removals.objects == []
     assert objects_on_disk(root) == only_old | new
     (pending / MANIFEST_NAME).unlink()  # the attempt went away: the next sweep frees them
     assert prune(open_tier(root), keep_last=2).objects == sorted(only_old)
@@ -120,9 +120,9 @@ def test_unparseable_manifest_refuses_the_sweep(root: str, where: str,
         broken = Path(root) / G(9) / MANIFEST_NAME
         broken.parent.mkdir()
     broken.write_bytes(b'{"format_version": 3, "files": [')
-    plan = prune(open_tier(root), keep_last=2)
-    assert plan.generations == [G(2), G(1)]  # the generations go; their objects wait
-    assert plan.objects == []
+    removals = prune(open_tier(root), keep_last=2)
+    assert removals.generations == [G(2), G(1)]  # the generations go; their objects wait
+    assert removals.objects == []
     assert objects_on_disk(root) == only_old | new
     assert "not swept" in caplog.text and "does not parse" in caplog.text
     assert check_committed(root) == [G(3), G(4)]
@@ -131,8 +131,8 @@ def test_unparseable_manifest_refuses_the_sweep(root: str, where: str,
 def test_dry_run_lists_objects_and_deletes_nothing(root: str) -> None:
     only_old, new, _ = layout(root)
     before = sorted(str(p.relative_to(root)) for p in Path(root).rglob("*"))
-    plan = prune(open_tier(root), keep_last=2, dry_run=True)
-    assert plan.generations == [G(2), G(1)] and plan.objects == sorted(only_old)
+    removals = prune(open_tier(root), keep_last=2, dry_run=True)
+    assert removals.generations == [G(2), G(1)] and removals.objects == sorted(only_old)
     assert sorted(str(p.relative_to(root)) for p in Path(root).rglob("*")) == before
 
 
@@ -147,7 +147,7 @@ def test_object_installed_again_during_the_sweep_is_kept(tmp_path: Path, templat
     assert len(listed) == 2
     faults.configure({"prune.objects_listed": {"block": "listed"}})
     result: dict = {}
-    sweeper = threading.Thread(target=lambda: result.update(plan=prune(open_tier(root), keep_last=1)))
+    sweeper = threading.Thread(target=lambda: result.update(removals=prune(open_tier(root), keep_last=1)))
     sweeper.start()
     try:
         faults.wait_reached("listed", timeout_s=30)
@@ -160,7 +160,7 @@ def test_object_installed_again_during_the_sweep_is_kept(tmp_path: Path, templat
         sweeper.join(timeout=30)
         faults.configure(None)
     assert not sweeper.is_alive()
-    assert result["plan"].objects == []
+    assert result["removals"].objects == []
     assert objects_on_disk(root) == set(listed)
     assert check_committed(root) == [G(5)]
     name, tensors = restored(root)
@@ -212,8 +212,8 @@ def test_a_quarantined_generation_keeps_its_objects(root: str) -> None:
     assert prune(open_tier(root), keep_last=2).objects == sorted(only_old)
 
 
-def test_plan_sweep_of_a_root_without_objects(tmp_path: Path) -> None:
-    assert plan_sweep(LocalStore(str(tmp_path))) == []
+def test_sweep_candidates_of_a_root_without_objects(tmp_path: Path) -> None:
+    assert sweep_candidates(LocalStore(str(tmp_path))) == []
 
 
 def test_cli_prune_on_a_root_with_objects(root: str, template, capsys: pytest.CaptureFixture) -> None:
@@ -233,3 +233,36 @@ def test_cli_prune_on_a_root_with_objects(root: str, template, capsys: pytest.Ca
     assert check_committed(root) == [G(3), G(4)]
     name, tensors = restored(root)
     assert name == G(4) and same(tensors, template[1][G(4)])
+
+
+# ---- quarantined incremental generations (issue 40, item 9) ----------------------------------
+def test_a_quarantined_incremental_generation_validates_with_its_objects_and_is_put_back(
+        root: str, capsys: pytest.CaptureFixture) -> None:
+    """A quarantined manifest's shared objects are read at the root, where it keeps them: the
+    entry is valid (rm --invalid-only leaves it), and unquarantine puts it back whole."""
+    assert cli_main(["quarantine", root, G(3)]) == 0
+    [entry] = os.listdir(Path(root) / "rejected")
+    assert cli_main(["rm", root, entry, "--invalid-only"]) == 1
+    assert "is valid" in capsys.readouterr().err
+    assert cli_main(["unquarantine", root, entry]) == 0
+    assert f"back as {G(3)}" in capsys.readouterr().out
+    assert check_committed(root) == [G(1), G(2), G(3), G(4)]
+
+
+def test_prune_of_old_quarantined_entries_sweeps_their_objects(root: str,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    only_old, new, _ = layout(root)
+    rejected = Path(root) / "rejected"
+    rejected.mkdir()
+    for name in (G(1), G(2)):  # quarantined long ago
+        os.rename(Path(root) / name, rejected / f"{name}-20200101T000000Z-abcdef")
+    args = ["prune", root, "--keep-last", "2", "--quarantined-older-than", "30d"]
+    capsys.readouterr()
+    assert cli_main([*args, "--dry-run", "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["quarantined"] == [f"rejected/{G(2)}-20200101T000000Z-abcdef",
+                                  f"rejected/{G(1)}-20200101T000000Z-abcdef"]
+    assert dry["objects"] == sorted(only_old) and objects_on_disk(root) == only_old | new
+    assert cli_main(args) == 0
+    assert os.listdir(rejected) == [] and objects_on_disk(root) == new
+    assert check_committed(root) == [G(3), G(4)]

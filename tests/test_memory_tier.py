@@ -16,7 +16,7 @@ from dist_ckpt.format.inventory import inventory
 from dist_ckpt.format.manifest import MANIFEST_NAME, REJECTED_DIR
 from dist_ckpt.format.validate import list_generations, validate
 from dist_ckpt.memory import paths as shm
-from dist_ckpt.save.replay import read_mirror_state
+from dist_ckpt.replay.record import read_mirror_state
 from dist_ckpt.storage.local import LocalStore
 from dist_ckpt.storage.objectstore import ObjectStore
 from dist_ckpt.testing import run_ranks
@@ -142,6 +142,12 @@ def test_config_errors_name_the_field(monkeypatch, tmp_path) -> None:
         CheckpointConfig(root=str(tmp_path), persist_interval_s=60)
     with pytest.raises(ConfigError, match="persist_interval_s"):
         CheckpointConfig(root=str(tmp_path), memory_tier=True, persist_interval_s=0)
+    for field, bad in (("persist_queue", 0), ("persist_queue", 65), ("persist_timeout_s", 0)):
+        with pytest.raises(ConfigError, match=field):
+            CheckpointConfig(root=str(tmp_path), memory_tier=True, **{field: bad})
+    for field, value in (("persist_queue", 4), ("persist_timeout_s", 60)):
+        with pytest.raises(ConfigError, match=f"{field}=.*needs memory_tier=True"):
+            CheckpointConfig(root=str(tmp_path), **{field: value})
     from dist_ckpt.memory.tier import memory_root
     with pytest.raises(ConfigError, match="memory_tier"):
         memory_root(str(tmp_path), None)
@@ -172,3 +178,21 @@ def test_persistence_follows_the_count_the_interval_or_both(tmp_path) -> None:
     assert _persisted(CheckpointConfig(**base, persist_interval_s=5), times) == [4, 7]
     # both: whichever comes first, the interval counted from the last one chosen
     assert _persisted(CheckpointConfig(**base, persist_every=3, persist_interval_s=8), times) == [3, 5, 6, 7]
+
+
+def test_persistence_has_its_own_queue_and_deadline(monkeypatch, tmp_path) -> None:
+    """The persist channel takes ``persist_queue`` and ``persist_timeout_s``; the mirror's
+    settings (``mirror_queue``, ``mirror_timeout_s``) are the mirror's only."""
+    from types import SimpleNamespace
+
+    from dist_ckpt.memory import runner
+
+    made: dict = {}
+    monkeypatch.setattr(runner, "open_memory_tier", lambda root, run_id: SimpleNamespace())
+    monkeypatch.setattr(runner, "NodeRing", lambda *args, **kwargs: None)
+    monkeypatch.setattr(runner, "Replayer", lambda *args, **kwargs: made.update(kwargs) or SimpleNamespace())
+    config = CheckpointConfig(root=str(tmp_path), memory_tier=True, persist_queue=5, persist_timeout_s=70,
+                              mirror_queue=3, mirror_timeout_s=90)
+    retention = SimpleNamespace(prune_root=None, prune_memory=None)
+    runner.MemoryTierRunner(config, root=None).start_persisting(SimpleNamespace(rank=1), retention)
+    assert (made["channel"], made["queue_length"], made["timeout_s"]) == ("persist", 5, 70)

@@ -10,7 +10,7 @@ import torch
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
 from dist_ckpt.cli.app import main as cli
-from dist_ckpt.save.replay import read_mirror_state
+from dist_ckpt.replay.record import read_mirror_state
 from tests.helpers.local_jobs import make_state, step
 from tests.helpers.mirror_runs import remote_states, run_job
 

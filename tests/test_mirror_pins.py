@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from dist_ckpt.protocol.comm import Comm
-from dist_ckpt.save.replay import Replayer
+from dist_ckpt.protocol.messages import ReplayAnnouncement
+from dist_ckpt.replay.replayer import Replayer
 from dist_ckpt.tiers.rename import RenameTier
 
 
@@ -16,20 +17,21 @@ def test_followers_see_rank0_queue_as_pinned(monkeypatch: pytest.MonkeyPatch, tm
     release = threading.Event()
     started = {0: threading.Event(), 1: threading.Event()}
 
-    def blocked_replicate(self: Replayer, generation: str, manifest_raw: bytes) -> None:
-        if generation == "gen-000000000001":
+    def blocked_replicate(self: Replayer, announce: ReplayAnnouncement, manifest_raw: bytes | None) -> None:
+        if announce.generation == "gen-000000000001":
             started[self.comm.rank].set()
             assert release.wait(30)
 
     monkeypatch.setattr(Replayer, "_replicate", blocked_replicate)
     rank0, rank1 = Comm(), Comm()
     rank1.store = rank0.store  # one c10d store, two ranks
+    rank1.node = rank0.node  # and one node: rank 1 sees the bell rank 0 rings
     for rank, comm in enumerate((rank0, rank1)):
         comm.rank, comm.world_size = rank, 2
     local = RenameTier(str(tmp_path))
     mirror = SimpleNamespace(url="memory://mirror")
     uploaders = [Replayer(comm, local, mirror, queue_length=2,  # type: ignore[arg-type]
-                                timeout_s=30) for comm in (rank0, rank1)]
+                          timeout_s=30, channel="mirror") for comm in (rank0, rank1)]
     try:
         uploaders[0].enqueue("gen-000000000001", b"{}")
         assert started[0].wait(30) and started[1].wait(30)  # both ranks are uploading gen 1

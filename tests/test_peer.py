@@ -1,6 +1,6 @@
 """The memory tier's peer channel on torch.distributed (``memory/peer.py``): files between
 node leaders as tensors on a process group of their own, checked before they are installed;
-the restore exchange's plan (``memory/plan.py``); and no network listener of dist_ckpt's own."""
+the restore exchange's routes (``memory/routes.py``); and no network listener of dist_ckpt's own."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 from dist_ckpt.errors import ConfigError
 from dist_ckpt.format.manifest import FileEntry, Manifest
 from dist_ckpt.memory import peer, replicas
-from dist_ckpt.memory.plan import Copy, Transfer, plan_exchange
 from dist_ckpt.memory.replicas import ring_group_index, ring_groups_needed
 from dist_ckpt.memory.ring import peer_device
+from dist_ckpt.memory.routes import Copy, Transfer, route_exchange
 from dist_ckpt.testing import run_ranks
 
 GEN = "gen-000000000003"
@@ -95,16 +95,16 @@ FILES = {"dcp/.metadata": 0, "state/train_state.json": 0, "dcp/__0_0.distcp": 0,
 MEMBERS = {0: {0}, 1: {1}}
 
 
-def test_the_plan_completes_a_lost_node_from_its_peers_replica_and_ships_the_shared_shards() -> None:
+def test_the_routes_complete_a_lost_node_from_its_peers_replica_and_ships_the_shared_shards() -> None:
     raw = manifest_of(FILES)
     shared = ["dcp/__1_0.distcp"]  # holds an item stored once for every rank
     held = {0: {"memory": {GEN: Copy(raw, ["dcp/.metadata", "state/train_state.json", "dcp/__0_0.distcp"],
                                      GEN, shared)},
                 "replica": {GEN: Copy(raw, ["dcp/__1_0.distcp"], ".pending-gen-000000000003-ab")}},
             1: {"memory": {}, "replica": {}}}  # node 1 lost its memory
-    plan = plan_exchange(held, [0, 1], MEMBERS, world_size=2)
-    assert plan is not None and plan.generation == GEN and plan.manifest == raw
-    assert plan.transfers == [  # node 0's load reads node 1's shared shard: its own replica's copy
+    routes = route_exchange(held, [0, 1], MEMBERS, world_size=2)
+    assert routes is not None and routes.generation == GEN and routes.manifest == raw
+    assert routes.transfers == [  # node 0's load reads node 1's shared shard: its own replica's copy
         Transfer("dcp/__1_0.distcp", 0, "replica/.pending-gen-000000000003-ab", 0, load_only=True),
         Transfer("dcp/.metadata", 0, f"memory/{GEN}", 1),
         Transfer("dcp/__1_0.distcp", 0, "replica/.pending-gen-000000000003-ab", 1),
@@ -114,26 +114,26 @@ def test_the_plan_completes_a_lost_node_from_its_peers_replica_and_ships_the_sha
     # from its own replica of node 1 (a local copy) rather than across the network
     whole = ["dcp/__1_0.distcp", "dcp/.metadata", "state/train_state.json"]
     held[1] = {"memory": {GEN: Copy(raw, whole, GEN)}, "replica": {}}
-    plan = plan_exchange(held, [0, 1], MEMBERS, world_size=2)
-    assert plan is not None
-    assert plan.transfers == [Transfer("dcp/__1_0.distcp", 0, "replica/.pending-gen-000000000003-ab", 0,
-                                       load_only=True)]
+    routes = route_exchange(held, [0, 1], MEMBERS, world_size=2)
+    assert routes is not None
+    assert routes.transfers == [Transfer("dcp/__1_0.distcp", 0, "replica/.pending-gen-000000000003-ab", 0,
+                                         load_only=True)]
     del held[0]["replica"][GEN]
-    plan = plan_exchange(held, [0, 1], MEMBERS, world_size=2)
-    assert plan is not None
-    assert plan.transfers == [Transfer("dcp/__1_0.distcp", 1, f"memory/{GEN}", 0, load_only=True)]
+    routes = route_exchange(held, [0, 1], MEMBERS, world_size=2)
+    assert routes is not None
+    assert routes.transfers == [Transfer("dcp/__1_0.distcp", 1, f"memory/{GEN}", 0, load_only=True)]
 
 
-def test_the_plan_never_mixes_timelines_and_skips_an_incomplete_generation() -> None:
+def test_the_routes_never_mix_timelines_and_skip_an_incomplete_generation() -> None:
     raw, other = manifest_of(FILES), manifest_of({**FILES, "dcp/__1_1.distcp": 1})
     mine = [path for path, rank in FILES.items() if rank == 0]
     held = {0: {"memory": {GEN: Copy(raw, mine, GEN)}, "replica": {}},
             1: {"memory": {GEN: Copy(other, ["dcp/__1_0.distcp"], GEN)}, "replica": {}}}
-    assert plan_exchange(held, [0, 1], MEMBERS, world_size=2) is None  # another manifest on node 1
+    assert route_exchange(held, [0, 1], MEMBERS, world_size=2) is None  # another manifest on node 1
     held[1] = {"memory": {}, "replica": {}}  # nobody holds node 1's shard
-    assert plan_exchange(held, [0, 1], MEMBERS, world_size=2) is None
-    assert plan_exchange({0: {"memory": {GEN: Copy(raw, list(FILES), GEN)}}}, [0], {0: {0, 1}},
-                         world_size=3) is None  # another world size: selection says why
+    assert route_exchange(held, [0, 1], MEMBERS, world_size=2) is None
+    assert route_exchange({0: {"memory": {GEN: Copy(raw, list(FILES), GEN)}}}, [0], {0: {0, 1}},
+                          world_size=3) is None  # another world size: selection says why
 
 
 def test_nccl_without_cuda_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -241,7 +241,6 @@ def test_a_receiver_whose_store_read_failed_takes_the_next_offer(tmp_path, monke
     from dist_ckpt.protocol.comm import Comm
 
     monkeypatch.setattr(replicas, "RETRY_S", 0.01)
-    monkeypatch.setattr(replicas, "POLL_S", 0.05)
     comm = Comm()
     comm.store = FlakyStore(comm.store, failures=2)  # type: ignore[assignment]
     arrived = threading.Event()
@@ -251,6 +250,7 @@ def test_a_receiver_whose_store_read_failed_takes_the_next_offer(tmp_path, monke
     try:
         offer = {"generation": GEN, "target": f".pending-{GEN}-ab", "files": [["manifest.json", 2]]}
         comm.store.set("ring/offer/1/0", json.dumps(offer).encode())
+        comm.node.ring()  # as a sender does: the receiver looks at the store when it rings
         assert arrived.wait(30), "the receiver stopped after the store failed it"
         assert comm.store.get("ring/done/1/0") == b"ok" and comm.store.failures == 0
     finally:
@@ -276,10 +276,10 @@ def test_a_node_keeps_what_rebuilds_any_other_node(committed, replicas_of_others
 
 def test_the_inventory_reports_every_generation_a_node_keeps_for_a_rebuild(tmp_path) -> None:
     """A lost node is rebuilt at its newest replica's generation, which can be the oldest a
-    peer keeps (``keep_for_rebuild``): the restore plan must see that copy."""
+    peer keeps (``keep_for_rebuild``): the restore exchange's routes must see that copy."""
     from dist_ckpt.format.manifest import generation_name
-    from dist_ckpt.memory.plan import inventory
     from dist_ckpt.memory.ring import RING_KEEP_MAX
+    from dist_ckpt.memory.routes import inventory
 
     names = [generation_name(n) for n in range(9, 9 - RING_KEEP_MAX - 1, -1)]  # newest first
     for name in names:

@@ -5,6 +5,7 @@ once the final generation is in every tier."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +20,10 @@ from dist_ckpt.format.validate import list_generations
 from dist_ckpt.lifecycle import retention
 from dist_ckpt.lifecycle.finish import done_record
 from dist_ckpt.lifecycle.replication import MirrorPolicy, ReplayChain
-from dist_ckpt.protocol import messages
+from dist_ckpt.protocol import gather, messages
 from dist_ckpt.protocol.comm import Comm
-from dist_ckpt.save.replay import Replayer, read_mirror_state
+from dist_ckpt.replay.record import read_mirror_state, read_record
+from dist_ckpt.replay.replayer import Replayer
 from dist_ckpt.tiers.rename import RenameTier
 from tests.helpers.local_jobs import make_state, step
 
@@ -75,16 +77,21 @@ def test_persisted_generations_reach_the_mirror_under_mirror_every(source: str, 
     chain.close(10)
     assert committed(root) == GENS[:3]  # every persisted one
     assert committed(mirror) == [GENS[1], GENS[2]]  # every 2nd, and the forced one
-    # each channel records what it completed beside its own source
-    assert read_mirror_state(memory.store)["last_completed"] == GENS[2]
+    # each channel records what it completed beside its own source, in a file of its own
+    assert read_record(memory.store, "persist")["last_completed"] == GENS[2]
+    assert read_record(memory.store, "persist")["root"] == root.url
+    assert not os.path.exists(os.path.join(memory.root, "mirror.json"))
     assert read_mirror_state(root.store)["last_completed"] == GENS[2]
+    assert read_mirror_state(root.store)["mirror"] == mirror.url
+    assert not os.path.exists(os.path.join(root.root, "persist.json"))
     assert chain.stages[0].stats.completed == GENS[:3]
     assert chain.stages[1].stats.completed == [GENS[1], GENS[2]]
 
 
 def test_channels_have_their_own_store_keys() -> None:
     keys = {messages.replay_seq_key("persist", 1), messages.replay_seq_key("mirror", 1),
-            messages.replay_report_key("persist", 1, 0), messages.replay_report_key("mirror", 1, 0),
+            gather.rank_key(messages.replay_scope("persist", 1), 0),
+            gather.rank_key(messages.replay_scope("mirror", 1), 0),
             messages.replay_outcome_key("persist", 1), messages.replay_copy_key("persist", 1, 1),
             messages.replay_pinned_key("persist"), messages.replay_pinned_key("mirror")}
     assert len(keys) == 8
@@ -143,3 +150,14 @@ def test_mirror_every_is_validated_and_named() -> None:
     policy = MirrorPolicy(3)
     policy.force("gen-5")
     assert [policy.due(f"gen-{n}") for n in range(1, 8)] == [False, False, True, False, True, True, False]
+
+
+def test_the_persist_record_of_an_older_memory_directory_is_still_read(tmp_path: Path) -> None:
+    """The persist channel once wrote its record as ``mirror.json`` beside its source: read
+    where ``persist.json`` is absent, the destination under its own key."""
+    (tmp_path / "mirror.json").write_text(json.dumps({"mirror": "/root", "last_completed": GENS[0]}))
+    assert read_record(str(tmp_path), "persist") == {"root": "/root", "last_completed": GENS[0]}
+    (tmp_path / "persist.json").write_text(json.dumps({"root": "/root", "last_completed": GENS[1]}))
+    assert read_record(str(tmp_path), "persist")["last_completed"] == GENS[1]
+    with pytest.raises(ValueError, match="no replay channel"):
+        read_record(str(tmp_path), "elsewhere")

@@ -109,8 +109,8 @@ def test_a_job_prune_takes_a_generation_out_at_once_and_deletes_its_files_later(
             step(state)
             mgr.save(update)
     deferred: list = []
-    plan = retention.prune(open_tier(root), keep_last=1, defer=deferred.append)
-    assert sorted(plan.generations) == ["gen-000000000001", "gen-000000000002"]
+    removals = retention.prune(open_tier(root), keep_last=1, defer=deferred.append)
+    assert sorted(removals.generations) == ["gen-000000000001", "gen-000000000002"]
     assert committed(root) == [3] and len(deferred) == 2
     aside = sorted(n for n in os.listdir(root) if n.startswith(".pending-"))
     assert [n.split("-pruned-")[0] for n in aside] == [

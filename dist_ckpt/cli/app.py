@@ -1,8 +1,9 @@
 """``dist-ckpt`` command line: the generations under a checkpoint root, and its cadence.
 
-List, inspect, verify, pin, prune, quarantine (move aside) and remove (invalid only) the
-generations under a root; plan the checkpoint cadence (``plan``); list the launcher's runs
-and their starts (``runs``).
+List, inspect, verify, pin, prune, quarantine (move aside under ``ROOT/rejected/``),
+unquarantine (put back) and remove (invalid only, or a quarantined entry) the generations
+under a root; plan the checkpoint cadence (``plan``); list the launcher's runs and their
+starts (``runs``).
 
 Exit codes: 0 success; 1 a generation is invalid (or its manifest unreadable) or the request
 was refused (a valid generation to ``rm``, a pinned one to ``quarantine``, ...); 2 usage errors
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from .. import progress
@@ -26,14 +28,15 @@ from ..format.manifest import (
     REJECTED_DIR,
     parse_generation,
     read_latest_name,
-    rejected_generation,
 )
 from ..format.objects import listed_objects
+from ..format.quarantine import list_quarantined, reason_line
 from ..format.signing import key_from_env
 from ..launcher_api import RUNS_DIR
 from ..lifecycle.retention import prune, read_pins
-from ..save.replay import read_mirror_state
-from ..storage.base import Store, StoreReader, open_store
+from ..replay.record import read_mirror_state
+from ..storage.base import StoreReader, open_store
+from ..tiers import CommitTier
 from ..version import __version__
 from .common import (
     PROG,
@@ -50,12 +53,13 @@ from .common import (
     update_number,
     warn,
 )
+from .costs import parse_duration
 from .diff import add_diff_parser
 from .export import add_export_parser
+from .forecast import add_plan_parser
 from .inspection import cmd_inspect, cmd_verify
 from .launch_root import print_runs, run_records
-from .ops import cmd_pin, cmd_quarantine, cmd_rm
-from .plan import add_plan_parser
+from .ops import cmd_pin, cmd_quarantine, cmd_rm, cmd_unquarantine
 from .rehearse import add_rehearse_parser
 from .runs import add_runs_parser
 
@@ -63,6 +67,8 @@ FOOTNOTE = "ls checks sizes; `dist-ckpt verify` checks digests"
 SHARED_NOTE = (f"OWN: bytes below the generation (what deleting it frees); SHARED: bytes of the "
                f"shared objects it references under {OBJECTS_DIR}/ (kept while any generation "
                "lists them)")
+QUARANTINE_NOTE = (f"quarantined: moved aside under {REJECTED_DIR}/ (`dist-ckpt unquarantine ROOT ENTRY` "
+                   "puts a generation back, `dist-ckpt rm ROOT ENTRY --quarantined` deletes an entry)")
 PROGRESS_COMMANDS = frozenset({"verify", "export", "diff"})  # long work: bytes and rate
 
 
@@ -76,31 +82,14 @@ def ls_record(info: GenerationInfo, latest: str | None, pins: dict[str, str]) ->
 
 
 def quarantined_records(store: StoreReader) -> list[dict[str, Any]]:
-    """Entries under ``ROOT/rejected/`` (tiers that keep rejected generations), newest update
-    number first."""
-    try:
-        entries = store.listdir(REJECTED_DIR) if store.exists(REJECTED_DIR) else []
-    except (StorageError, OSError):
-        entries = []
-    records = []
-    for entry in sorted(entries, reverse=True):  # same generation: newest move first
-        generation = rejected_generation(entry)
-        rel = f"{REJECTED_DIR}/{entry}"
-        if generation is None or not is_directory(store, rel):
-            continue
-        records.append({"name": entry, "generation": generation,
-                        "next_update": parse_generation(generation), "state": "quarantined",
-                        "total_bytes": store.tree_size(rel), "latest": False,
-                        "pin": None, "reason": first_reason_line(store, rel), "path": rel})
-    return sorted(records, key=lambda rec: rec["next_update"], reverse=True)
-
-
-def first_reason_line(store: StoreReader, entry: str) -> str:
-    try:
-        text = store.read_bytes(f"{entry}/{REASON_NAME}")[:1000].decode("utf-8", errors="replace")
-    except (FileNotFoundError, StorageError, OSError):
-        return f"(no {REASON_NAME})"
-    return text.splitlines()[0].strip() if text.strip() else "(empty reason)"
+    """Entries under ``ROOT/rejected/`` (tiers that keep quarantined ones), both kinds: a
+    generation moved aside, and the damaged files a restore's repair replaced; newest update
+    number first, and for one generation the newest quarantine first."""
+    return [{"name": entry.name, "generation": entry.generation, "kind": entry.kind,
+             "time": entry.time_text, "next_update": parse_generation(entry.generation),
+             "state": "quarantined", "total_bytes": store.tree_size(entry.path), "latest": False,
+             "pin": None, "reason": reason_line(store, entry), "path": entry.path}
+            for entry in list_quarantined(store) if is_directory(store, entry.path)]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -127,6 +116,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"no generations under {store.root}")
         return 0
     print_ls_table(records, quarantined, pins, mirror)
+    if quarantined:
+        print(QUARANTINE_NOTE)
     if objects["count"]:
         print(f"shared objects: {objects['count']} under {OBJECTS_DIR}/, "
               f"{human_bytes(objects['bytes'])} (stored once, whatever number of generations lists them)")
@@ -167,9 +158,10 @@ def print_ls_table(records: list[dict], quarantined: list[dict], pins: dict[str,
         size = "-" if rec["total_bytes"] is None else str(rec["total_bytes"])
         # a quarantined row is named by its path: what `dist-ckpt rm` takes to delete it
         name = rec["path"] if rec["state"] == "quarantined" else rec["name"]
+        state = "quarantined files" if rec.get("kind") == "files" else rec["state"]
         split = [human_bytes(rec.get("own_bytes")), human_bytes(rec.get("referenced_bytes"))]
         rows.append(["*" if rec["latest"] else "", name, update, size, human_bytes(rec["total_bytes"])]
-                    + (split if shared else []) + [rec["state"]]
+                    + (split if shared else []) + [state]
                     + ([rec["pin"] or ""] if pins else [])
                     + ([rec.get("mirror", "")] if mirror else []) + [rec["reason"] or ""])
     print_table(rows)
@@ -201,53 +193,75 @@ def cmd_prune(args: argparse.Namespace) -> int:
     for flag, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1")
+    age = quarantine_age(args.quarantined_older_than)
     tier = open_root_tier(args.root)
-    if args.keep_last is None and not tier.leaves_debris:
+    if args.keep_last is None and age is None and not tier.leaves_debris:
         raise UsageError("a local root needs --keep-last K, e.g. --keep-last 3: the newest K "
                          "committed generations stay (pinned ones and --keep-every milestones too)")
     key = key_from_env()
     committed = [i.name for i in inventory(tier.store, digests=False, key=key) if i.state == "committed"]
-    plan = prune(tier, keep_last=args.keep_last, keep_every=args.keep_every, key=key,
-                 committed=committed, dry_run=args.dry_run)
-    removed: dict[str, Any] = {"generations": plan.generations}
-    if tier.leaves_debris or plan.incomplete:
-        removed.update(incomplete=plan.incomplete)
+    removals = prune(tier, keep_last=args.keep_last, keep_every=args.keep_every, key=key,
+                     committed=committed, dry_run=args.dry_run,
+                     quarantined_before=None if age is None else time.time() - age)
+    removed: dict[str, Any] = {"generations": removals.generations}
+    if age is not None:
+        removed.update(quarantined=removals.quarantined)
+    if tier.leaves_debris or removals.incomplete:
+        removed.update(incomplete=removals.incomplete)
     if tier.leaves_debris:
-        removed.update(orphans=plan.orphans, multipart_aborted=plan.multipart_aborted)
-    if plan.objects:  # shared objects of incremental generations no kept one references
-        removed.update(objects=plan.objects)
+        removed.update(orphans=removals.orphans, multipart_aborted=removals.multipart_aborted)
+    if removals.objects:  # shared objects of incremental generations no kept one references
+        removed.update(objects=removals.objects)
     verb = "would remove" if args.dry_run else "removed"
-    kept = len(committed) - len(plan.generations)
+    kept = len(committed) - len(removals.generations)
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, **removed, "kept": kept}))
         return 0
     for kind, names in removed.items():
         if isinstance(names, list):
+            label = "quarantined entry" if kind == "quarantined" else kind.removesuffix("s")
             for name in names:
-                print(f"{verb} {kind[:-1] if kind.endswith('s') else kind}: {name}")
+                print(f"{verb} {label}: {name}")
     if removed.get("multipart_aborted"):
         print(f"aborted {removed['multipart_aborted']} multipart upload(s)")
     if not any(removed.values()):
-        print(f"nothing to prune: {kept} generation(s) kept ({kept_because(args, tier.store)})")
+        print(f"nothing to prune: {kept} generation(s) kept ({kept_because(args, tier)})")
     return 0
 
 
-def kept_because(args: argparse.Namespace, store: Store) -> str:
+def quarantine_age(text: str | None) -> float | None:
+    """``--quarantined-older-than`` in seconds (None: not given)."""
+    if text is None:
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise UsageError(f"--quarantined-older-than: {exc}") from exc
+
+
+def kept_because(args: argparse.Namespace, tier: CommitTier) -> str:
     """Why nothing goes, in the flags' words (prune with nothing to remove must still answer)."""
-    reasons = [f"--keep-last {args.keep_last}" if args.keep_last is not None
-               else "no --keep-last: only leftovers of failed uploads go"]
+    no_keep_last = ("no --keep-last: only leftovers of failed uploads go" if tier.leaves_debris
+                    else "no --keep-last: no generation goes")
+    reasons = [f"--keep-last {args.keep_last}" if args.keep_last is not None else no_keep_last]
     if args.keep_every:
         reasons.append(f"--keep-every {args.keep_every} milestones")
-    pins = read_pins(store)
+    pins = read_pins(tier.store)
     if pins:
         reasons.append(f"{len(pins)} pinned")
+    if args.quarantined_older_than is not None:
+        count = len(list_quarantined(tier.store))
+        reasons.append(f"{count} quarantined {'entry' if count == 1 else 'entries'} newer than "
+                       f"{args.quarantined_older_than}")
     return ", ".join(reasons)
 
 
 LS_EPILOG = f"""\
 states: committed (structure and sizes check out), invalid, pending (a save in flight or
-abandoned), quarantined (moved aside to ROOT/{REJECTED_DIR}/ by restore or `dist-ckpt quarantine`;
-named by that path, the reason is the first line of its {REASON_NAME}).
+abandoned), quarantined (moved aside under ROOT/{REJECTED_DIR}/ by restore or `dist-ckpt
+quarantine`), quarantined files (damaged files a restore's repair replaced, the generation
+itself staying committed). A quarantined row is named by its path, which holds the generation
+and the UTC time of the quarantine; the reason is the first line of its {REASON_NAME}.
 {FOOTNOTE}.
 
 A launcher root (python -m launch --checkpoint-root, with {RUNS_DIR}/ below it): ls lists its
@@ -256,7 +270,8 @@ LAUNCHROOT/{RUNS_DIR}/ID` lists one run (--json: "launcher_runs").
 
 --json prints {{"root", "latest", "generations", "quarantined", "mirror", "warnings"}}:
 quarantined entries are listed apart from the generations, each with name (its directory
-under {REJECTED_DIR}/), generation, next_update, state "quarantined", total_bytes, reason and path;
+under {REJECTED_DIR}/), generation, kind ("generation" or "files"), time (UTC, ISO 8601),
+next_update, state "quarantined", total_bytes, reason and path;
 warnings names problems that do not change the exit status, such as a {LATEST_NAME} that
 points to a missing generation (text output: on stderr).
 
@@ -319,9 +334,14 @@ def add_changing_parsers(sub: Any) -> list[argparse.ArgumentParser]:
     prune_cmd = sub.add_parser("prune", help="delete old generations and leftovers of failed uploads")
     prune_cmd.set_defaults(func=cmd_prune)
     prune_cmd.add_argument("--keep-last", type=int, default=None, metavar="K",
-                           help="keep the newest K committed generations (required for a local root)")
+                           help="keep the newest K committed generations (required for a local root, "
+                                "unless --quarantined-older-than is given)")
     prune_cmd.add_argument("--keep-every", type=int, default=None, metavar="N",
                            help="also keep milestones: update numbers that are multiples of N")
+    prune_cmd.add_argument("--quarantined-older-than", default=None, metavar="DURATION",
+                           help=f"also delete the entries under ROOT/{REJECTED_DIR}/ (both kinds) "
+                                "quarantined longer ago than DURATION (30d, 12h, ...; the time in "
+                                "the entry's name)")
     prune_cmd.add_argument("--dry-run", action="store_true", help="only print what would go")
     pin = sub.add_parser("pin", help="protect a committed generation from pruning")
     pin.set_defaults(func=cmd_pin)
@@ -329,26 +349,43 @@ def add_changing_parsers(sub: Any) -> list[argparse.ArgumentParser]:
     unpin = sub.add_parser("unpin", help="let pruning delete a generation again")
     unpin.set_defaults(func=cmd_pin)
     quarantine_cmd = sub.add_parser(
-        "quarantine", help=f"move a generation aside to ROOT/{REJECTED_DIR}/",
+        "quarantine", help=f"move a generation aside under ROOT/{REJECTED_DIR}/ (kept, not deleted)",
         description="Refuses a pinned generation and the valid one latest.json points to, unless "
-                    "--force (a pinned one is then unpinned).")
+                    "--force (a pinned one is then unpinned). `dist-ckpt unquarantine` puts it back.")
     quarantine_cmd.set_defaults(func=cmd_quarantine)
     quarantine_cmd.add_argument("--reason", default=None, metavar="TEXT", help=f"written to {REASON_NAME}")
     quarantine_cmd.add_argument("--force", action="store_true", help="move a pinned or the latest one too")
+    unquarantine = sub.add_parser(
+        "unquarantine", help=f"put a quarantined generation back from ROOT/{REJECTED_DIR}/",
+        description="Puts a quarantined generation back under its name, only where no generation "
+                    "of that name is, only if it validates (sizes, digests; with "
+                    "DIST_CKPT_HMAC_KEY its signature), in one step (a rename; an object store: "
+                    "copied back, the manifest created last). latest.json moves to it only when "
+                    "it is the newest. An entry of damaged files has nothing to put back: rm it.")
+    unquarantine.set_defaults(func=cmd_unquarantine)
     rm = sub.add_parser(
-        "rm", help="delete a generation or quarantined entry that fails validation",
-        description="Deletes only what fails the full check (sizes and digests; signatures are not "
-                    "checked: another key's generation is not damaged). A valid one exits 1.")
+        "rm", help="delete a generation or quarantined entry that fails validation, or any "
+                   "quarantined entry",
+        description="--invalid-only deletes only what fails the full check (sizes and digests; "
+                    "signatures are not checked: another key's generation is not damaged); a valid "
+                    f"one exits 1. --quarantined deletes an entry under ROOT/{REJECTED_DIR}/, valid "
+                    "or not, and nothing else.")
     rm.set_defaults(func=cmd_rm)
-    rm.add_argument("--invalid-only", action="store_true",
-                    help="required: the promise that nothing valid is deleted")
-    for cmd in (prune_cmd, pin, unpin, quarantine_cmd, rm):
+    rm_mode = rm.add_mutually_exclusive_group()
+    rm_mode.add_argument("--invalid-only", action="store_true",
+                         help="the promise that nothing valid is deleted (one of the two is required)")
+    rm_mode.add_argument("--quarantined", action="store_true",
+                         help=f"delete a quarantined entry ({REJECTED_DIR}/ENTRY), whatever its state")
+    for cmd in (prune_cmd, pin, unpin, quarantine_cmd, unquarantine, rm):
         add_root(cmd)
     for cmd in (pin, unpin, quarantine_cmd):
         cmd.add_argument("generation", metavar="GEN", help="generation name (gen-3300 or 3300 too)")
+    unquarantine.add_argument("entry", metavar="ENTRY",
+                              help=f"a quarantined generation ({REJECTED_DIR}/ENTRY or ENTRY, as ls "
+                                   "names it)")
     rm.add_argument("name", metavar="NAME",
                     help=f"generation name, or a quarantined entry ({REJECTED_DIR}/ENTRY or ENTRY)")
-    return [prune_cmd, pin, unpin, quarantine_cmd, rm]
+    return [prune_cmd, pin, unpin, quarantine_cmd, unquarantine, rm]
 
 
 

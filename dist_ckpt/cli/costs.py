@@ -22,7 +22,7 @@ prices are built in; they change)::
 are optional and costs are reported only for the prices given. GB means 2**30 bytes and a
 month 1/12 of 365.25 days, as object stores bill storage.
 
-Call order: the ``plan`` command only (``cli/plan.py``), offline; nothing at training time.
+Call order: the ``plan`` command only (``cli/forecast.py``), offline; nothing at training time.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from ..format.validate import (
     validate,
 )
 from ..lifecycle.retention import read_pins
+from ..replay.record import read_mirror_state
 from ..restart import codec
-from ..save.replay import read_mirror_state
 from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier
 from .common import (

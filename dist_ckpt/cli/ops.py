@@ -1,28 +1,31 @@
-"""``dist-ckpt pin``/``unpin``, ``quarantine`` and ``rm --invalid-only``: the commands that
-change what is under a root. Nothing here deletes a generation that validates."""
+"""``dist-ckpt pin``/``unpin``, ``quarantine``/``unquarantine`` and ``rm``: the commands that
+change what is under a root. Quarantine moves a generation aside under ``ROOT/rejected/``;
+unquarantine puts one back. Nothing here deletes a generation in the root that validates;
+``rm --quarantined`` deletes a quarantined entry whatever its state."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import IO
 
-from ..errors import DistCkptError
+from ..errors import DistCkptError, GenerationExists, StorageError, ValidationError
 from ..format.inventory import GenerationInfo, inspect_generation
 from ..format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
-    REASON_NAME,
     REJECTED_DIR,
+    RejectedEntry,
     parse_generation,
+    parse_rejected_entry,
     read_latest_name,
-    rejected_generation,
 )
+from ..format.quarantine import EntryView, reason_line
 from ..format.signing import key_from_env
-from ..format.validate import Problem, repoint_latest
+from ..format.validate import Problem, move_latest, repoint_latest, validate
 from ..lifecycle.retention import change_pin, read_pins
 from ..storage.base import Store, StoreReader
 from ..tiers import CommitTier, open_tier
+from ..tiers.base import PutsBack
 from .common import (
     Refused,
     UsageError,
@@ -121,101 +124,126 @@ def refuse_quarantine(store: Store, name: str, info: GenerationInfo, pins: dict[
     return str(result["reason"])
 
 
-class QuarantinedCopy:
-    """An entry under ``ROOT/rejected/`` seen (read-only) under its generation's name, so that
-    ``validate`` checks it unchanged (its manifest still names the generation)."""
-
-    def __init__(self, store: Store, entry: str, generation: str) -> None:
-        self.store = store
-        self.entry = entry
-        self.generation = generation
-        self.root = store.url(entry)
-
-    def _rel(self, rel: str) -> str:
-        first, _, rest = rel.partition("/")
-        if first != self.generation:
-            raise FileNotFoundError(f"{rel} is not inside {self.generation}")
-        return f"{self.entry}/{rest}" if rest else self.entry
-
-    def url(self, rel: str) -> str:
-        return self.store.url(self._rel(rel))
-
-    def exists(self, rel: str) -> bool:
-        return self.store.exists(self._rel(rel))
-
-    def listdir(self, rel: str) -> list[str]:
-        return self.store.listdir(self._rel(rel))
-
-    def read_bytes(self, rel: str) -> bytes:
-        return self.store.read_bytes(self._rel(rel))
-
-    def open_read(self, rel: str) -> IO[bytes]:
-        return self.store.open_read(self._rel(rel))
-
-    def size(self, rel: str) -> int:
-        return self.store.size(self._rel(rel))
-
-    def checked_size(self, rel: str, *, limit: int | None = None,
-                     sound_dirs: set[str] | None = None) -> int:
-        return self.store.checked_size(self._rel(rel), limit=limit, sound_dirs=sound_dirs)
-
-    def digest(self, rel: str, algorithm: str) -> str:
-        return self.store.digest(self._rel(rel), algorithm)
-
-    def tree_size(self, rel: str) -> int:
-        return self.store.tree_size(self._rel(rel))
-
-    def local_path(self, rel: str) -> str | None:
-        return self.store.local_path(self._rel(rel))
-
-
-def rm_target(store: Store, name: str) -> tuple[str, StoreReader, str]:
-    """(path to delete relative to the root, store to validate through, generation name) for
-    a generation or a quarantined entry (``ENTRY`` or ``rejected/ENTRY``)."""
+def quarantined_entry(store: Store, name: str) -> RejectedEntry | None:
+    """The quarantined entry ``name`` names (``ENTRY`` or ``rejected/ENTRY``, either kind),
+    which must exist; None when ``name`` is a generation's name. Anything else (a path,
+    traversal, another name) exits 2."""
     if parse_generation(generation_arg(name)) is not None:
-        full = checked_generation(store, name)
-        return full, store, full
-    entry = name.removeprefix(f"{REJECTED_DIR}/")
-    generation = rejected_generation(entry)
-    if generation is None:
+        return None
+    entry = parse_rejected_entry(name.removeprefix(f"{REJECTED_DIR}/"))
+    if entry is None:
         raise UsageError(f"{name!r} is neither a generation name nor a quarantined entry "
-                         f"({REJECTED_DIR}/gen-NNNNNNNNNNNN-<time>-<id>)")
-    rel = f"{REJECTED_DIR}/{entry}"
-    if not store.exists(f"{rel}/{MANIFEST_NAME}") and not store.exists(f"{rel}/{REASON_NAME}"):
-        raise UsageError(f"no quarantined entry {entry!r} under {store.url(REJECTED_DIR)}")
-    return rel, QuarantinedCopy(store, rel, generation), generation
+                         f"({REJECTED_DIR}/gen-NNNNNNNNNNNN-<time>-<id>, or "
+                         f"{REJECTED_DIR}/gen-NNNNNNNNNNNN-files-<time>-<id>)")
+    if not holds_anything(store, entry.path):
+        raise UsageError(f"no quarantined entry {entry.name!r} under {store.url(REJECTED_DIR)}")
+    return entry
+
+
+def holds_anything(store: StoreReader, rel: str) -> bool:
+    """Whether ``rel`` is a directory (an object store: a prefix) that holds something."""
+    try:
+        return bool(store.listdir(rel))
+    except (StorageError, OSError):
+        return False
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    if not args.invalid_only:
+    if not (args.invalid_only or args.quarantined):
         raise UsageError("rm needs --invalid-only: it deletes only a generation that fails "
                          "validation (committed data is never deleted by accident; old "
-                         "generations go with `dist-ckpt prune`)")
+                         "generations go with `dist-ckpt prune`); or --quarantined for an "
+                         f"entry under {REJECTED_DIR}/, deleted whatever its state")
     store = open_quarantine_root(args.root, "rm").store
-    rel, view, generation = rm_target(store, args.name)
-    # bytes only: a generation signed under another key is not damaged, and this deletes
-    result = verify_result(view, generation, key=None)
-    if result["ok"]:
-        raise Refused(f"{rel} is valid ({result['reason']}); not deleted")
+    entry = quarantined_entry(store, args.name)
+    if entry is None and args.quarantined:
+        raise UsageError(f"--quarantined deletes an entry under {REJECTED_DIR}/; {args.name!r} is a "
+                         "generation in the root (damaged: --invalid-only; old: `dist-ckpt prune`)")
+    if entry is None:
+        generation = rel = checked_generation(store, args.name)
+    else:
+        generation, rel = entry.generation, entry.path
+    if entry is not None and (args.quarantined or entry.kind == "files"):
+        # a files entry holds only copies a repair found damaged: invalid by construction
+        reason = f"quarantined: {reason_line(store, entry)}"
+    else:  # bytes only: a generation signed under another key is not damaged, and this deletes
+        view = store if entry is None else EntryView(store, entry)
+        result = verify_result(view, generation, key=None)
+        if result["ok"]:
+            hint = "" if entry is None else ("; --quarantined deletes it all the same, "
+                                             "`dist-ckpt unquarantine` puts it back")
+            raise Refused(f"{rel} is valid ({result['reason']}); not deleted{hint}")
+        reason = str(result["reason"])
     store.remove_tree(f"{rel}/{MANIFEST_NAME}")  # first: a cut-short delete leaves no manifest
     store.remove_tree(rel)
     if store.exists(rel):
         raise OSError(f"could not delete all of {store.url(rel)}")
     unpinned, pointer = None, None
-    if rel == generation:
+    if entry is None:
         pointer = repointed(store, generation)
         if generation in read_pins(store):
             unpinned = change_pin(store, generation, None).previous
     if args.json:
-        print(json.dumps({"deleted": rel, "path": store.url(rel), "reason": result["reason"],
+        print(json.dumps({"deleted": rel, "path": store.url(rel), "reason": reason,
                           "unpinned": unpinned, "latest": pointer}))
     else:
-        print(f"deleted {rel} ({result['reason']})")
+        print(f"deleted {rel} ({reason})")
         if unpinned is not None:
             print(f"unpinned {generation} (was {unpinned})")
         if pointer is not None:
             print(pointer_text(pointer))
     return 0
+
+
+def cmd_unquarantine(args: argparse.Namespace) -> int:
+    """Put a quarantined generation back: only where no generation of its name is, only if
+    it validates (sizes, digests and, with a key, its signature), atomically; latest.json
+    moves to it only when it is the newest."""
+    tier = open_quarantine_root(args.root, "unquarantine")
+    store = tier.store
+    entry = quarantined_entry(store, args.entry)
+    if entry is None:
+        raise UsageError(f"{args.entry!r} is a generation name; unquarantine takes a quarantined "
+                         f"entry ({REJECTED_DIR}/ENTRY or ENTRY, as `dist-ckpt ls` lists it)")
+    if entry.kind == "files":
+        raise Refused(f"{entry.path} holds damaged files that a restore replaced with good copies "
+                      f"({entry.generation} itself stayed in place): there is nothing to put back; "
+                      f"delete it with `dist-ckpt rm {args.root} {entry.path} --quarantined`")
+    if not isinstance(tier, PutsBack):
+        raise UsageError(f"unquarantine: {args.root!r} cannot take a generation back")
+    key = key_from_env()
+
+    def check(view: StoreReader) -> None:
+        try:
+            validate(view, entry.generation, digests=True, key=key)
+        except (ValidationError, OSError) as exc:
+            raise Refused(f"{entry.path} does not validate, not put back: {exc}") from exc
+
+    try:
+        with reported_here():
+            where = tier.put_back(entry, check)
+    except GenerationExists as exc:
+        raise Refused(f"{exc}: a quarantined generation is never put back over what holds its "
+                      "name (quarantine or remove that first)") from exc
+    pointer = advance_latest(store, entry.generation, key)
+    if args.json:
+        print(json.dumps({"entry": entry.path, "generation": entry.generation, "path": where,
+                          "latest": pointer}))
+    else:
+        print(f"put {entry.path} back as {entry.generation} ({where})")
+        if pointer is not None:
+            print(pointer_text(pointer))
+    return 0
+
+
+def advance_latest(store: Store, generation: str, key: bytes | None) -> dict[str, str | None] | None:
+    """After ``generation`` was put back: ``latest.json`` names it if it is the newest (the
+    pointer never moves back to an older one); the change, or None when the pointer stayed."""
+    manifest = validate(store, generation, digests=False, key=key)  # in place: structure and sizes
+    before = read_latest_name(store)
+    move_latest(store, manifest, store.read_bytes(f"{generation}/{MANIFEST_NAME}"))
+    now = read_latest_name(store)
+    return None if now == before else {"was": before, "now": now}
 
 
 def repointed(store: Store, gone: str) -> dict[str, str | None] | None:
@@ -230,4 +258,6 @@ def repointed(store: Store, gone: str) -> dict[str, str | None] | None:
 def pointer_text(change: dict[str, str | None]) -> str:
     if change["now"] is None:
         return f"removed {LATEST_NAME} (it named {change['was']}): no valid generation is left"
+    if change["was"] is None:
+        return f"{LATEST_NAME} now names {change['now']} (there was none)"
     return f"{LATEST_NAME} now names {change['now']} (it named {change['was']})"

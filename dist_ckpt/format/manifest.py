@@ -15,10 +15,12 @@ that is not a regular file (a FIFO would block its reader forever, a link could 
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
@@ -65,7 +67,9 @@ REJECTED_MARKER_PREFIX = "rejected-"
 # fullmatch, ASCII digits only: "$" would accept a trailing newline and "\d" any Unicode digit
 _GEN_RE = re.compile(r"gen-([0-9]{12})")
 _PENDING_RE = re.compile(rf"{re.escape(PENDING_PREFIX)}gen-([0-9]{{12}})(?:-|\Z)")  # match
-_REJECTED_RE = re.compile(r"(gen-[0-9]{12})-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")
+# both kinds of entry: a generation (G-<time>-<id>) and the damaged files of one (G-files-<time>-<id>)
+_REJECTED_RE = re.compile(r"(gen-[0-9]{12})-(files-)?([0-9]{8}T[0-9]{6}Z)-[0-9a-f]{6}")
+_ENTRY_TIME = "%Y%m%dT%H%M%SZ"  # UTC, in a rejected entry's name
 _SAFE_PART = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.\-]*")
 
 
@@ -116,7 +120,7 @@ def rejected_entry_name(generation: str) -> str:
 
 
 def _entry_suffix() -> str:
-    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+    return f"{time.strftime(_ENTRY_TIME, time.gmtime())}-{uuid.uuid4().hex[:6]}"
 
 
 def rejected_files_entry_name(generation: str) -> str:
@@ -132,10 +136,46 @@ def rejected_marker_name(manifest_sha256: str) -> str:
     return f"{REJECTED_MARKER_PREFIX}{manifest_sha256}.json"
 
 
-def rejected_generation(entry: str) -> str | None:
-    """The generation an entry below ``REJECTED_DIR`` holds, or None when ``entry`` is not one."""
+@dataclass(frozen=True)
+class RejectedEntry:
+    """An entry below ``REJECTED_DIR`` (a quarantine), as its name says: a generation moved
+    aside (``kind`` "generation": ``rejected_entry_name``) or the damaged files a restore's
+    repair replaced in a generation that stayed committed ("files": ``rejected_files_entry_name``)."""
+
+    name: str  # the entry's directory below REJECTED_DIR
+    generation: str
+    kind: Literal["generation", "files"]
+    time: float  # when it was quarantined: UNIX time, whole UTC seconds (from the name)
+
+    @property
+    def path(self) -> str:
+        """Relative to the root: ``rejected/<name>``."""
+        return f"{REJECTED_DIR}/{self.name}"
+
+    @property
+    def time_text(self) -> str:
+        """The time, ISO 8601 in UTC (``2026-01-31T12:00:00Z``)."""
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.time))
+
+
+def parse_rejected_entry(entry: str) -> RejectedEntry | None:
+    """The entry named ``entry`` below ``REJECTED_DIR`` (either kind), or None when the name is
+    not one the library gives (a path, traversal, another name, an impossible time)."""
     match = _REJECTED_RE.fullmatch(entry) if isinstance(entry, str) else None
-    return match.group(1) if match else None
+    if match is None:
+        return None
+    try:
+        moved = calendar.timegm(time.strptime(match.group(3), _ENTRY_TIME))
+    except ValueError:
+        return None
+    return RejectedEntry(entry, match.group(1), "files" if match.group(2) else "generation", float(moved))
+
+
+def rejected_generation(entry: str) -> str | None:
+    """The generation an entry below ``REJECTED_DIR`` holds, or None when ``entry`` is not a
+    rejected generation's (a files entry holds no generation)."""
+    parsed = parse_rejected_entry(entry)
+    return parsed.generation if parsed is not None and parsed.kind == "generation" else None
 
 
 def check_generation_name(name: str) -> int:

@@ -47,13 +47,12 @@ from .manifest import (
     MAX_MANIFEST_BYTES,
     OBJECTS_DIR,
     PENDING_PREFIX,
-    REJECTED_DIR,
     FileEntry,
     Manifest,
     is_object_path,
     parse_generation,
-    rejected_generation,
 )
+from .quarantine import list_quarantined
 
 log = logs.get(__name__)
 
@@ -193,32 +192,31 @@ def _references(store: StoreReader, rel: str) -> set[str]:
 
 def referenced_objects(store: StoreReader, *, dropping: frozenset[str] = frozenset()) -> set[str]:
     """Every object a manifest under the root references: pending attempts' manifests first,
-    then the generations' (an attempt that commits meanwhile is seen as one or the other).
-    ``dropping``: generations about to be deleted, whose references do not count."""
-    refs: set[str] = set()
+    then the generations' (an attempt that commits meanwhile is seen as one or the other), with
+    the quarantined generations' read before and after them (one quarantined or put back
+    meanwhile is seen in one place or the other). ``dropping``: generations and quarantined
+    entries (``rejected/<entry>``) about to be deleted, whose references do not count."""
+    refs = _quarantined_references(store, dropping)
     for name in store.listdir(""):
         if name.startswith(PENDING_PREFIX):
             refs |= _references(store, f"{name}/{MANIFEST_NAME}")
     for name in store.listdir(""):
         if parse_generation(name) is not None and name not in dropping:
             refs |= _references(store, f"{name}/{MANIFEST_NAME}")
-    return refs | _quarantined_references(store)
+    return refs | _quarantined_references(store, dropping)
 
 
-def _quarantined_references(store: StoreReader) -> set[str]:
-    """Objects listed by generations moved aside under ``rejected/``: kept with them, for
-    whoever examines why they were rejected (``dist-ckpt rm`` of the entry releases them). A
-    rejected manifest that does not parse references nothing: it is often the damage."""
+def _quarantined_references(store: StoreReader, dropping: frozenset[str]) -> set[str]:
+    """Objects listed by quarantined generations (``rejected/``): kept with them, for whoever
+    examines why they were rejected or puts one back (``dist-ckpt rm`` of the entry, or a
+    prune of it, releases them). A rejected manifest that does not parse references nothing:
+    it is often the damage. A files entry has no manifest (its objects are damaged copies)."""
     refs: set[str] = set()
-    try:
-        entries = store.listdir(REJECTED_DIR) if store.exists(REJECTED_DIR) else []
-    except (OSError, StorageError):
-        return refs
-    for entry in entries:
-        if rejected_generation(entry) is None:
+    for entry in list_quarantined(store):
+        if entry.kind != "generation" or entry.path in dropping:
             continue
         try:
-            refs |= _references(store, f"{REJECTED_DIR}/{entry}/{MANIFEST_NAME}")
+            refs |= _references(store, f"{entry.path}/{MANIFEST_NAME}")
         except SweepRefused:
             continue
     return refs
@@ -250,7 +248,7 @@ def _identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def plan_sweep(store: StoreReader, *, dropping: frozenset[str] = frozenset()) -> list[Candidate]:
+def sweep_candidates(store: StoreReader, *, dropping: frozenset[str] = frozenset()) -> list[Candidate]:
     """The sweep's list: objects listed (and, on a local root, their inodes taken) first, then
     the references read: an object installed after that is not in the list, and one installed
     before has its manifest readable by then (``install_objects`` runs after the pending
@@ -271,10 +269,10 @@ def plan_sweep(store: StoreReader, *, dropping: frozenset[str] = frozenset()) ->
 
 
 def remove_object(store: Store, candidate: Candidate) -> bool:
-    """Remove one object :func:`plan_sweep` listed (the sweeping process, after the listing).
-    On a local root the object is renamed aside, and deleted only when the aside file is the
-    inode that was judged unreferenced; a different inode was installed again by a save after
-    the listing and goes straight back. Returns whether the object was deleted."""
+    """Remove one object :func:`sweep_candidates` listed (the sweeping process, after the
+    listing). On a local root the object is renamed aside, and deleted only when the aside file
+    is the inode that was judged unreferenced; a different inode was installed again by a save
+    after the listing and goes straight back. Returns whether the object was deleted."""
     local = _local_path(store, candidate.path)
     if local is None or candidate.identity is None:
         store.remove_tree(candidate.path)
@@ -301,8 +299,8 @@ def remove_object(store: Store, candidate: Candidate) -> bool:
 def recover_aside(store: Store) -> int:
     """A sweep killed after renaming an object (or its second copy) aside: put each aside file
     back where its name is missing (the sweep about to run judges it again), delete the rest
-    (its name holds the same bytes). Call before :func:`plan_sweep`; local roots only. Returns
-    the files put back."""
+    (its name holds the same bytes). Call before :func:`sweep_candidates`; local roots only.
+    Returns the files put back."""
     restored = 0
     for rel in (OBJECTS_DIR, COPIES_DIR):
         folder = _local_path(store, rel)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+from collections.abc import Callable
 
 from .. import runinfo
 from ..context import Context
@@ -29,7 +30,8 @@ from ..format.inventory import is_committed
 from ..format.manifest import MANIFEST_NAME, Manifest, parse_generation
 from ..format.validate import check_sizes, check_structure
 from ..memory.runner import MemoryTierRunner
-from ..save.replay import read_mirror_state
+from ..replay.channels import channel
+from ..replay.record import read_record
 from ..tiers.base import CommitTier
 from ..version import __version__
 from .done import DONE_NAME, DoneRecord, record_for
@@ -124,13 +126,30 @@ def done_record(ctx: Context, name: str,
             channels = ", ".join(stage.channel for stage in replayer.stages)
             return None, f"replays ({channels}) still pending after {timeout_s} s"
         for stage in replayer.stages:  # memory -> root -> mirror: each one completed it
-            completed = read_mirror_state(stage.source.store).get("last_completed_update")
+            completed = read_record(stage.source.store, stage.channel).get("last_completed_update")
             if completed is None or completed < (parse_generation(name) or 0):
-                return None, (f"the {stage.channel} replay did not complete it (see mirror.json "
-                              f"under {stage.source.local_root})")
+                return None, (f"the {stage.channel} replay did not complete it (see "
+                              f"{channel(stage.channel).record} under {stage.source.local_root})")
     try:
         raw = ctx.tiers.root.store.read_bytes(f"{name}/{MANIFEST_NAME}")
         manifest = Manifest.from_bytes(raw, generation=name)
     except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
         return None, f"{type(exc).__name__}: {exc}"
     return record_for(manifest, raw, run_id=os.environ.get(runinfo.RUN_ID_ENV), version=__version__), None
+
+
+def end_run(ctx: Context, name: str, memory: MemoryTierRunner | None, replayer: ReplayChain | None,
+            save: Callable[[], object], wait: Callable[[], None]) -> DoneRecord:
+    """Steps 1 and 2 for the final generation ``name`` (all ranks): ``save`` saves it,
+    ``wait`` drains this rank's saves."""
+    wait()
+    step = final_step(ctx, name, memory)
+    if replayer is not None:
+        replayer.force(name)  # the mirror too, whatever mirror_every says
+    if step is FinalStep.SAVE:
+        save()
+    elif step is FinalStep.PERSIST_FROM_MEMORY:
+        assert memory is not None
+        persist_from_memory(ctx, memory, name)
+    wait()
+    return write_done(ctx, name, replayer)

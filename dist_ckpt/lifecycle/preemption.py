@@ -4,13 +4,14 @@ Protocol (one watch thread per rank; the main thread only at the calls that mark
 
 1. The launcher (SIGTERM, ``--preempt-signal``, the stop file) writes the notice file in each
    start's directory of its node (``runinfo.preempt_notice_path``); it signals no worker.
-2. Each rank's watch thread polls the notice file every ``POLL_S`` (a stat) and the store key
-   ``PREEMPT_TARGET_KEY`` every ``STORE_EVERY`` polls (a round trip to the c10d server; each
-   poll once it noticed); either one marks the rank as ``noticed``.
+2. Each rank's watch thread polls the notice file every ``POLL_S`` (a stat) and its node's
+   bell (``protocol/node.py``: a file the node's one store watcher keeps); it asks the store
+   for ``PREEMPT_TARGET_KEY`` only when the bell rang (and each poll once it noticed), so an
+   idle job's ranks send the store nothing. Either one marks the rank as ``noticed``.
 3. The main thread of a rank that noticed first, at its next call with ``next_update`` U
    (``save``, ``maybe_save``, ``heartbeat``), proposes U + 1 by compare-and-set (the first
-   proposal wins) and waits until every rank acknowledged the target (bounded by
-   ``timeout_s``). No rank can pass its call U + 1 before this rank passes it (every
+   proposal wins), rings the bell, and waits until every rank acknowledged the target
+   (bounded by ``timeout_s``). No rank can pass its call U + 1 before this rank passes it (every
    training step needs every rank), so every rank knows the target before reaching it.
 4. A watch thread that reads the target acknowledges it (``PREEMPT_ACK_KEY``) and ends.
 5. :meth:`PreemptionWatch.due` is True from the call whose ``next_update`` reaches the
@@ -35,8 +36,7 @@ from ..protocol.messages import PREEMPT_ACK_KEY, PREEMPT_TARGET_KEY
 from .replication import ReplayChain
 
 log = logs.get(__name__)
-POLL_S = 0.02  # the notice file: a stat, so a rank learns of it within about one update
-STORE_EVERY = 5  # polls between two looks at the store (a round trip to the c10d server)
+POLL_S = 0.02  # the notice file and the bell: a stat and a small read, no store request
 
 
 class PreemptionWatch:
@@ -63,6 +63,7 @@ class PreemptionWatch:
 
     def _propose(self, target: int) -> None:
         agreed = self.comm.store.compare_set(PREEMPT_TARGET_KEY, "", str(target))
+        self.comm.node.ring()  # ranks of other nodes may have no notice: they learn it here
         self.target = int(agreed)
         log.warning("preemption notice: every rank saves update %d, then stops", self.target)
         deadline = time.monotonic() + self.timeout_s
@@ -75,17 +76,19 @@ class PreemptionWatch:
 
     def _watch(self) -> None:
         assert self.notice_path is not None
-        polls = 0
+        bell = self.comm.node.bell
+        seen = -1  # the store is asked once at the start: a target set before this watch began
         while not self._stop.wait(POLL_S):
-            polls += 1
             try:
-                if self.target is None and (self.noticed or polls % STORE_EVERY == 0) \
+                rang = bell.value()
+                if self.target is None and (self.noticed or rang != seen) \
                         and self.comm.store.check([PREEMPT_TARGET_KEY]):
                     self.target = int(self.comm.store_get(PREEMPT_TARGET_KEY))
                 if self.target is not None:
                     self.noticed = True
                     self.comm.store.add(PREEMPT_ACK_KEY, 1)
                     return
+                seen = rang
                 if os.path.exists(self.notice_path):
                     self.noticed = True
             except Exception:  # noqa: BLE001 - the store is gone (a peer or the job ended)

@@ -28,13 +28,17 @@ retention must never break training.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import logs
 from ..context import Context
-from ..format.inventory import inventory
+from ..errors import StorageError
+from ..format.inventory import inspect_generation
+from ..format.manifest import MANIFEST_NAME
+from ..format.validate import list_generations
 from ..memory.runner import MEMORY_KEEP, MemoryTierRunner
 from ..protocol.messages import PINS_KEY
 from ..restore import rehearse as rehearsal
@@ -59,6 +63,7 @@ class Pruner:
         # the files of generations a pass already took out of the root (renamed to a pending
         # name): deleted here, so that settle() need not wait for the kernel to free them
         self._discard = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist-ckpt-discard")
+        self._validated: dict[tuple[str, str], str] = {}  # (generation, manifest sha256) -> state
 
     def submit(self) -> None:
         self._thread.submit(self.prune_local)
@@ -132,9 +137,25 @@ class Pruner:
                 log.exception("memory tier retention pass failed")
 
     def _root_committed(self) -> list[str]:
-        """The root's committed generations, newest first."""
-        return [g.name for g in inventory(self.ctx.tiers.root.store, digests=False,
-                                          key=self.ctx.config.signing_key) if g.state == "committed"]
+        """The root's committed generations, newest first. Each generation's structure and
+        sizes are checked once per manifest (by its sha256), not on every save's pass: a
+        root of K kept generations costs K manifest reads per pass, not K times its files."""
+        store, out = self.ctx.tiers.root.store, []
+        seen: dict[tuple[str, str], str] = {}
+        for name in list_generations(store):
+            try:
+                raw = store.read_bytes(f"{name}/{MANIFEST_NAME}")
+            except (FileNotFoundError, StorageError):
+                continue
+            key = (name, hashlib.sha256(raw).hexdigest())
+            state = self._validated.get(key)
+            if state is None:
+                state = inspect_generation(store, name, digests=False, key=self.ctx.config.signing_key).state
+            seen[key] = state
+            if state == "committed":
+                out.append(name)
+        self._validated = seen  # generations gone from the root are forgotten
+        return out
 
     def _rehearsed(self, committed: list[str] | None = None) -> bool:
         """The rehearsal gate, for every durable tier: with ``require_rehearsal`` nothing is

@@ -15,7 +15,7 @@ publishes node copies). Then, on the returned :class:`ReplayChain`:
 
 Incremental generations: each channel copies a shared object only where its destination
 lacks it, and publishes only once the destination holds every object the generation lists
-(``save/replay.py``); the persist channel publishes under the root's retention lock.
+(``replay/replayer.py``); the persist channel publishes under the root's retention lock.
 
 Every tier's retention is the one owner's (``lifecycle/pruning.py``): the channels call it,
 memory (the newest plus what the persist channel still needs), the root (``keep_last``; with
@@ -31,7 +31,7 @@ import time
 from .. import logs
 from ..context import Context
 from ..memory.runner import MemoryTierRunner
-from ..save.replay import Replayer, ReplayStats
+from ..replay.replayer import Replayer, ReplayStats
 from .pruning import Pruner
 
 log = logs.get(__name__)

@@ -4,6 +4,8 @@ The policy keeps the newest ``keep_last`` committed generations, every ``keep_ev
 update (milestones: the update number is a multiple of it) and pinned generations. Pins
 live in ``ROOT/pins.json`` (name -> label, written by ``dist-ckpt pin`` or
 ``CheckpointManager.pin`` on rank 0); the pruner never deletes a pinned generation.
+Quarantined entries (``rejected/``) go only when asked, by age (``dist-ckpt prune
+--quarantined-older-than``); a job's own passes never remove them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from ..format.manifest import (
     parse_generation,
     pending_dir_name,
 )
-from ..format.objects import Candidate, plan_sweep, recover_aside, remove_object
+from ..format.objects import Candidate, recover_aside, remove_object, sweep_candidates
+from ..format.quarantine import list_quarantined
 from ..format.signing import SIGNATURE_NAME
 from ..format.validate import list_generations, read_manifest
 from ..protocol.comm import Comm
@@ -116,7 +119,7 @@ def write_pins(store: Store, pins: dict[str, str]) -> None:
 
 
 @dataclass
-class PrunePlan:
+class Removals:
     """What a prune removes (or would remove, on a dry run)."""
 
     generations: list[str] = field(default_factory=list)  # beyond keep_last
@@ -125,6 +128,7 @@ class PrunePlan:
     objects: list[str] = field(default_factory=list)  # shared objects no kept generation references
     object_copies: list[str] = field(default_factory=list)  # their second copies (objects-copy/)
     multipart_aborted: int = 0
+    quarantined: list[str] = field(default_factory=list)  # entries under rejected/ past their age
 
 
 def pin_on_all_ranks(comm: Comm, store: Store, mirror: Store | None, generation: str,
@@ -148,16 +152,19 @@ def pin_on_all_ranks(comm: Comm, store: Store, mirror: Store | None, generation:
     return pins
 
 
-def plan_prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = None,
-               pinned: frozenset[str] = frozenset(), key: bytes | None = None,
-               committed: list[str] | None = None) -> PrunePlan:
-    """Pure listing step: old generations beyond the policy, and the tier's debris of failed
-    attempts (``CommitTier.debris``). ``committed`` (names that validated, newest first)
-    defaults to the generations whose manifest parses. With ``key``, a generation whose
+def list_removals(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = None,
+                  pinned: frozenset[str] = frozenset(), key: bytes | None = None,
+                  committed: list[str] | None = None,
+                  quarantined_before: float | None = None) -> Removals:
+    """Pure listing step: old generations beyond the policy, the tier's debris of failed
+    attempts (``CommitTier.debris``) and, with ``quarantined_before`` (a UNIX time), the
+    entries under ``rejected/`` quarantined before it (both kinds; the time in the name).
+    ``committed`` (names that validated, newest first) defaults to the generations whose
+    manifest parses. With ``key``, a generation whose
     signature fails is neither counted towards ``keep_last`` nor deleted: forged manifests
     cannot push real generations out. Pins in the root's ``pins.json`` are kept as well as
     ``pinned``."""
-    plan = PrunePlan()
+    removals = Removals()
     manifests: dict[str, Manifest] = {}
     uncommitted: list[str] = []
     for name in list_generations(tier.store):
@@ -168,19 +175,23 @@ def plan_prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | Non
                 uncommitted.append(name)
     names = list(manifests) if committed is None else [n for n in committed if n in manifests]
     debris = tier.debris({n: manifests[n] for n in names}, uncommitted)
-    plan.incomplete = [d for d in debris if "/" not in d]
-    plan.orphans = [d for d in debris if "/" in d]
+    removals.incomplete = [d for d in debris if "/" not in d]
+    removals.orphans = [d for d in debris if "/" in d]
     if keep_last is not None:
-        plan.generations = to_drop(names, keep_last=keep_last, keep_every=keep_every,
-                                   pinned=pinned | frozenset(read_pins(tier.store)))
-    return plan
+        removals.generations = to_drop(names, keep_last=keep_last, keep_every=keep_every,
+                                       pinned=pinned | frozenset(read_pins(tier.store)))
+    if quarantined_before is not None:
+        removals.quarantined = [entry.path for entry in list_quarantined(tier.store)
+                                if entry.time < quarantined_before]
+    return removals
 
 
 def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = None,
           pinned: frozenset[str] = frozenset(), key: bytes | None = None,
           committed: list[str] | None = None, dry_run: bool = False,
-          defer: Callable[[Callable[[], None]], Any] | None = None) -> PrunePlan:
-    """Delete what :func:`plan_prune` lists (call only after the newest generation validated);
+          defer: Callable[[Callable[[], None]], Any] | None = None,
+          quarantined_before: float | None = None) -> Removals:
+    """Delete what :func:`list_removals` lists (call only after the newest generation validated);
     a deletion that fails is logged and the rest go on. Then the sweep: the shared objects no
     manifest under the root references any more (mark and sweep, ``format/objects.py``), and
     their second copies (``objects-copy/``, reported in ``object_copies``).
@@ -197,16 +208,16 @@ def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = N
     generation any more) and ``defer`` gets the deletion of its files, so the caller need not
     wait for it; a crash before that deletion leaves a pending directory, which the next
     start removes like any other."""
-    plan = plan_prune(tier, keep_last=keep_last, keep_every=keep_every, pinned=pinned, key=key,
-                      committed=committed)
+    removals = list_removals(tier, keep_last=keep_last, keep_every=keep_every, pinned=pinned, key=key,
+                             committed=committed, quarantined_before=quarantined_before)
     if dry_run:
-        dropping = frozenset(plan.generations + plan.incomplete)
-        for candidate in _sweep_plan(tier, dropping):
-            _swept_list(plan, candidate.path).append(candidate.path)
-        return plan
-    for rel in plan.generations + plan.incomplete + plan.orphans:
+        dropping = frozenset(removals.generations + removals.incomplete + removals.quarantined)
+        for candidate in _sweep_candidates(tier, dropping):
+            _swept_list(removals, candidate.path).append(candidate.path)
+        return removals
+    for rel in removals.generations + removals.incomplete + removals.orphans + removals.quarantined:
         try:
-            plan.multipart_aborted += tier.store.abort_uploads(rel)
+            removals.multipart_aborted += tier.store.abort_uploads(rel)
             _remove(tier.store, rel, defer)
             faults.hit("prune.between")
         except OSError as exc:
@@ -217,27 +228,27 @@ def prune(tier: CommitTier, *, keep_last: int | None, keep_every: int | None = N
         recover_aside(tier.store)
     except OSError as exc:
         log.warning("shared objects under %s not swept: %s", tier.url, exc)
-        return plan
-    candidates = _sweep_plan(tier, frozenset())
+        return removals
+    candidates = _sweep_candidates(tier, frozenset())
     faults.hit("prune.objects_listed")
     for candidate in candidates:
         try:
             if remove_object(tier.store, candidate):
-                _swept_list(plan, candidate.path).append(candidate.path)
+                _swept_list(removals, candidate.path).append(candidate.path)
                 faults.hit("prune.object_removed")
         except OSError as exc:
             log.warning("could not prune %s: %s", candidate.path, exc)
-    return plan
+    return removals
 
 
-def _swept_list(plan: PrunePlan, path: str) -> list[str]:
+def _swept_list(removals: Removals, path: str) -> list[str]:
     """Where a swept path is reported: an object, or an object's second copy."""
-    return plan.objects if is_object_path(path) else plan.object_copies
+    return removals.objects if is_object_path(path) else removals.object_copies
 
 
-def _sweep_plan(tier: CommitTier, dropping: frozenset[str]) -> list[Candidate]:
+def _sweep_candidates(tier: CommitTier, dropping: frozenset[str]) -> list[Candidate]:
     try:
-        return plan_sweep(tier.store, dropping=dropping)
+        return sweep_candidates(tier.store, dropping=dropping)
     except (StorageError, OSError) as exc:  # SweepRefused among them: keep every object this time
         log.warning("shared objects under %s not swept: %s", tier.url, exc)
         return []

@@ -26,7 +26,7 @@ in one pending directory named by the manifest's digest; the launcher that compl
 publishes (under that directory's lock). A root whose newest generation is a node's copy (it
 lacks other nodes' files: node-local disks) gets this node's copy, as the rename tier's
 ``publish_copy`` does. A replay's node copy also holds the common files, which rank 0 offers
-through the c10d store (``save/common_files.py``); the launcher has no such channel, so a
+through the c10d store (``replay/common_files.py``); the launcher has no such channel, so a
 copy persisted here holds them only where this node's memory does (rank 0's node always).
 
 Nothing here imports torch: the launcher calls it through ``dist_ckpt.launcher_api``.

@@ -1,6 +1,6 @@
-"""One node leader's part of a planned restore exchange (``memory/plan.py``).
+"""One node leader's part of a routed restore exchange (``memory/routes.py``).
 
-Every leader walks the plan's transfers in plan order and runs those it takes part in: a send
+Every leader walks the routes' transfers in their order and runs those it takes part in: a send
 (``PeerChannel.send_file``) when it is the source, a receive when it is the destination.
 Walking one order everywhere cannot deadlock: the first unfinished transfer always has both
 its ends ready. A file that fails its check is refused and the walk goes on, so both ends stay
@@ -10,7 +10,7 @@ ends this leader's walk.
 Files for the node's memory copy go into the existing copy of the generation (new names only)
 or into a new pending directory renamed into place manifest-last once every file arrived;
 files its load reads only go to the fetched directory. Call order: every leader with
-transfers, after rank 0's plan is broadcast, inside ``NodeRing.repair`` (collective).
+transfers, after rank 0's routes are broadcast, inside ``NodeRing.repair`` (collective).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, check_generati
 from ..format.validate import check_entry
 from ..storage.local import file_digest, fsync_dir, write_durable
 from .peer import PeerChannel, PeerError
-from .plan import ExchangePlan, Transfer
+from .routes import ExchangeRoutes, Transfer
 
 log = logs.get(__name__)
 
@@ -46,30 +46,30 @@ class Places:
     fetched: str
 
 
-def run_exchange(plan: ExchangePlan, channel: PeerChannel, rank: int, places: Places) -> Outcome:
-    """This leader's sends and receives of ``plan``, in plan order."""
-    check_generation_name(plan.generation)
+def run_exchange(routes: ExchangeRoutes, channel: PeerChannel, rank: int, places: Places) -> Outcome:
+    """This leader's sends and receives of ``routes``, in their order."""
+    check_generation_name(routes.generation)
     outcome = Outcome()
-    mine = [t for t in plan.transfers if rank in (t.source, t.destination)]
+    mine = [t for t in routes.transfers if rank in (t.source, t.destination)]
     if not mine:
         return outcome
-    manifest = Manifest.from_bytes(plan.manifest.encode(), generation=plan.generation)
+    manifest = Manifest.from_bytes(routes.manifest.encode(), generation=routes.generation)
     entries = {f.path: f for f in manifest.files}
-    final = os.path.join(places.memory, plan.generation)
+    final = os.path.join(places.memory, routes.generation)
     exists = os.path.isdir(final)
-    if exists and _manifest(final) != plan.manifest:  # received aside, then dropped
-        outcome.failures.append(f"node of rank {rank}: {plan.generation} here has another manifest: "
+    if exists and _manifest(final) != routes.manifest:  # received aside, then dropped
+        outcome.failures.append(f"node of rank {rank}: {routes.generation} here has another manifest: "
                                 "left as it is")
         exists = False
-    pending = os.path.join(places.memory, pending_dir_name(plan.generation, uuid.uuid4().hex[:8]))
+    pending = os.path.join(places.memory, pending_dir_name(routes.generation, uuid.uuid4().hex[:8]))
     target = final if exists else pending
     copied = 0
     for transfer in mine:
         entry = entries.get(transfer.path)
-        into = os.path.join(places.fetched, plan.generation) if transfer.load_only else target
+        into = os.path.join(places.fetched, routes.generation) if transfer.load_only else target
         if transfer.source == transfer.destination:  # from this node's own replica
             try:
-                _copy_here(_local(places, transfer), os.path.join(into, transfer.path), plan.generation,
+                _copy_here(_local(places, transfer), os.path.join(into, transfer.path), routes.generation,
                            transfer.path, entry)
                 outcome.received.append(transfer.path)
                 copied += not transfer.load_only
@@ -86,7 +86,7 @@ def run_exchange(plan: ExchangePlan, channel: PeerChannel, rank: int, places: Pl
                 break
             continue
         try:
-            channel.receive_file(transfer.source, os.path.join(into, transfer.path), plan.generation,
+            channel.receive_file(transfer.source, os.path.join(into, transfer.path), routes.generation,
                                  transfer.path, entry)
             outcome.received.append(transfer.path)
             copied += not transfer.load_only
@@ -95,11 +95,11 @@ def run_exchange(plan: ExchangePlan, channel: PeerChannel, rank: int, places: Pl
         except RuntimeError as exc:
             outcome.failures.append(f"node of rank {rank}: receiving from rank {transfer.source}: {exc}")
             break
-    _install(plan, places, target, exists, failed=bool(outcome.failures), copied=copied)
+    _install(routes, places, target, exists, failed=bool(outcome.failures), copied=copied)
     return outcome
 
 
-def _install(plan: ExchangePlan, places: Places, target: str, exists: bool, *,
+def _install(routes: ExchangeRoutes, places: Places, target: str, exists: bool, *,
              failed: bool, copied: int) -> None:
     """A new copy complete: its manifest last, then renamed into place; incomplete: gone."""
     if exists or not copied and not os.path.isdir(target):
@@ -109,9 +109,9 @@ def _install(plan: ExchangePlan, places: Places, target: str, exists: bool, *,
     if failed:
         shutil.rmtree(target, ignore_errors=True)
         return
-    write_durable(os.path.join(target, MANIFEST_NAME), plan.manifest.encode())
+    write_durable(os.path.join(target, MANIFEST_NAME), routes.manifest.encode())
     fsync_dir(target)
-    os.rename(target, os.path.join(places.memory, plan.generation))
+    os.rename(target, os.path.join(places.memory, routes.generation))
     fsync_dir(places.memory)
 
 

@@ -6,7 +6,7 @@ A file crosses as point-to-point tensors on a process group made for this purpos
 no address, no token: the transport is the one torch.distributed already set up between
 exactly these processes.
 
-Both sides know what is expected before a transfer starts (the restore plan, or a replica
+Both sides know what is expected before a transfer starts (the restore exchange's routes, or a replica
 offer): the file's size when the manifest lists it, else a bound. The sender sends the bytes
 only when its file satisfies that; the receiver reads them only when the size it is told
 does, so the two stay in step even when a file is refused.

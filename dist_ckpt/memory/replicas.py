@@ -44,7 +44,9 @@ from .peer import PeerChannel, PeerError
 log = logs.get(__name__)
 REPLICA_OF_KEY = "ring/replica-of/"  # + sender's rank: the generation of its newest replica
 OFFER_WAIT_S = 10.0  # how long a sender waits for its successor to take an offer
-POLL_S = 0.5  # a receiver's wait for the next offer, between checks for close
+# a receiver looks at the store for the next offer when the job's bell rings (the sender
+# rings it, ``protocol/node.py``) and, in case a ring was missed, once per IDLE_CHECK_S
+IDLE_CHECK_S = 30.0
 RETRY_S = 2.0  # a receiver's pause after the store failed it, before it looks again
 
 
@@ -80,6 +82,7 @@ class Sender:
         store = self.comm.store
         store.set(_key("offer", self.comm.rank, number),
                   json.dumps({"generation": generation, "target": target, "files": files}).encode())
+        self.comm.node.ring()
         if self.comm.store_wait([_key("accept", self.comm.rank, number)], OFFER_WAIT_S):
             taken = store.compare_set(_key("accept", self.comm.rank, number), "", "withdrawn")
             if taken != b"accepted":
@@ -154,7 +157,10 @@ class Receiver:
         sender withdrew it first, else the offer, taken (compare-and-set) and deleted."""
         store = self.comm.store
         offer_key = _key("offer", self.predecessor, number)
-        if self.comm.store_wait([offer_key], POLL_S):
+        bell = self.comm.node.bell
+        rang = bell.value()  # before the check: a ring after it is a change from this value
+        if not store.check([offer_key]):
+            bell.wait(rang, IDLE_CHECK_S, stop=self._closed)
             return None
         if store.compare_set(_key("accept", self.predecessor, number), "", "accepted") != b"accepted":
             return {}

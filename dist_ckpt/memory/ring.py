@@ -30,7 +30,7 @@ Call order:
   lag the others', would leave no generation whole: its successor holds an older one, which
   every other node already deleted;
 - ``repair()`` on every rank at the start of ``restore()`` (collective): every leader's
-  inventory is all-gathered, rank 0 plans one exchange (``memory/plan.py``: the newest
+  inventory is all-gathered, rank 0 routes one exchange (``memory/routes.py``: the newest
   generation the nodes can complete, which node sends which file to which) and broadcasts
   it, and the leaders run it (``memory/exchange.py``). Each file is checked against the
   manifest before it is installed; selection and the load check sizes and digests as always;
@@ -67,8 +67,8 @@ from ..format.validate import list_generations
 from ..protocol.comm import Comm
 from .exchange import Outcome, Places, run_exchange
 from .peer import PeerChannel
-from .plan import ExchangePlan, inventory, plan_exchange
 from .replicas import REPLICA_OF_KEY, Receiver, Sender, ring_group_index, ring_groups_needed
+from .routes import ExchangeRoutes, inventory, route_exchange
 from .tier import MemoryTier, remove_newer
 
 log = logs.get(__name__)
@@ -238,7 +238,7 @@ class NodeRing:
 
     # ---- restore (all ranks) ---------------------------------------------------------------
     def holdings(self) -> dict:
-        """A leader's inventory (``memory/plan.py``): its newest in-memory generations and
+        """A leader's inventory (``memory/routes.py``): its newest in-memory generations and
         replicas, with the files each holds."""
         return inventory({"memory": [(n, n) for n in self._committed()],
                           "replica": _received(self.replica_root)},
@@ -249,32 +249,32 @@ class NodeRing:
         a leader that raised here would leave its peers in the all-gather."""
         try:
             return self.holdings()
-        except Exception:  # noqa: BLE001 - logged; the plan then leaves this node out
+        except Exception:  # noqa: BLE001 - logged; the routes then leave this node out
             log.exception("memory tier: this node's holdings could not be read")
             return None
 
     def repair(self) -> None:
         """Complete every node's memory copy of the newest generation the nodes can complete,
         and give each node the other nodes' shard files its load reads (collective, one
-        planned exchange). No-op on one node."""
+        routed exchange). No-op on one node."""
         if self.nodes == 1:
             return
         gathered = self.comm.all_gather(self._holdings_or_none() if self.is_leader else None)
-        plan: ExchangePlan | None = None
+        routes: ExchangeRoutes | None = None
         if self.comm.rank == 0:
             held = {rank: h for rank, h in enumerate(gathered) if h is not None}
             try:
                 members = {leader: self._members(leader) for leader in self.leaders}
-                plan = plan_exchange(held, self.leaders, members, self.comm.world_size)
-            except Exception:  # noqa: BLE001 - no plan: restore reads what each node holds
-                log.exception("memory tier: the restore exchange could not be planned")
-        plan = self.comm.broadcast(plan)
-        if plan is None:
+                routes = route_exchange(held, self.leaders, members, self.comm.world_size)
+            except Exception:  # noqa: BLE001 - no routes: restore reads what each node holds
+                log.exception("memory tier: the restore exchange could not be routed")
+        routes = self.comm.broadcast(routes)
+        if routes is None:
             return
         outcome = Outcome()
         if self.is_leader and self.channel is not None:
             try:
-                outcome = run_exchange(plan, self.channel, self.comm.rank,
+                outcome = run_exchange(routes, self.channel, self.comm.rank,
                                        Places(self.tier.root, self.replica_root, self.fetched_dir))
             except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather below
                 log.exception("memory tier: this node's part of the restore exchange failed")
@@ -283,9 +283,9 @@ class NodeRing:
         failures = [f for failed in self.comm.all_gather(outcome.failures) for f in failed]
         self.repair_failures = failures
         if self.comm.rank == 0:
-            receivers = {t.destination for t in plan.transfers}
-            log.info("memory tier: %s completed on %d node(s) from peers (%d file(s))%s", plan.generation,
-                     len(receivers), len(plan.transfers),
+            receivers = {t.destination for t in routes.transfers}
+            log.info("memory tier: %s completed on %d node(s) from peers (%d file(s))%s", routes.generation,
+                     len(receivers), len(routes.transfers),
                      f"; failed: {'; '.join(failures)}" if failures else "")
 
     def fetch_for_load(self, generation: str, manifest: Manifest, path: str) -> str | None:

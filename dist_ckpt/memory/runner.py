@@ -3,8 +3,8 @@
 Saves commit to the memory tier (``memory/tier.py``) with the usual protocol (agreement,
 write, every rank's report, rank 0's manifest-last commit under ``commit_timeout_s``; node
 copies by each filesystem leader). The persistent root is fed from memory by a replay
-(``save/replay.py``: one replay thread per rank, every rank's report, rank 0's
-manifest-last publish under ``mirror_timeout_s``), for every ``persist_every``-th committed
+(``replay/replayer.py``: one replay thread per rank, every rank's report, rank 0's
+manifest-last publish under ``persist_timeout_s``), for every ``persist_every``-th committed
 in-memory generation and for the final one of ``finish()``. Each replayed file is hashed as
 it is copied: bytes changed in memory never become a persistent generation.
 
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 from .. import logs, runinfo
 from ..config import CheckpointConfig
 from ..protocol.comm import Comm
-from ..save.replay import Replayer
+from ..replay.replayer import Replayer
 from ..tiers.base import CommitTier
 from ..tiers.placement import RootGroups
 from .ring import NodeRing
@@ -51,7 +51,7 @@ MEMORY_KEEP = 1  # committed in-memory generations kept besides those still bein
 
 
 class PersistPolicy:
-    """Which committed in-memory generations go to the root (rank 0 decides; the mirror
+    """Which committed in-memory generations go to the root (rank 0 decides; the replay's
     announcement tells the other ranks). Counting applies unless only an interval was set."""
 
     def __init__(self, config: CheckpointConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -101,8 +101,8 @@ class MemoryTierRunner:
         (``groups``: with a node-local root, each node's leader publishes its node's copy),
         which calls ``retention`` after each persistence."""
         self.persister = Replayer(
-            comm, self.tier, self.root, queue_length=self.config.mirror_queue,
-            timeout_s=self.config.mirror_timeout_s, signing_key=self.config.signing_key,
+            comm, self.tier, self.root, queue_length=self.config.persist_queue,
+            timeout_s=self.config.persist_timeout_s, signing_key=self.config.signing_key,
             prune_destination=retention.prune_root if self.config.keep_last else None,
             nice=self.config.background_nice, channel="persist", groups=groups)
         if self.config.keep_last:

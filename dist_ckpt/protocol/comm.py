@@ -23,14 +23,30 @@ import torch
 import torch.distributed as dist
 
 from .. import logs
+from .node import Node, host_name, layout_from, torchrun_leader
 
 log = logs.get(__name__)
+LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
 
 
 def current_rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _lazy_gloo_group(timeout_s: float) -> Any:
+    """The checkpoint group, its gloo pairs connected on first use (``TORCH_GLOO_LAZY_INIT``)
+    rather than all W - 1 of them at creation, unless the job chose otherwise: its collectives
+    (ring all-gathers, broadcasts from rank 0) use a few peers per rank."""
+    chosen = os.environ.get(LAZY_INIT_ENV)
+    if chosen is None:
+        os.environ[LAZY_INIT_ENV] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    finally:
+        if chosen is None:
+            os.environ.pop(LAZY_INIT_ENV, None)
 
 
 class Comm:
@@ -46,7 +62,7 @@ class Comm:
         self.distributed = self.world_size > 1 or (dist.is_available() and dist.is_initialized())
         if self.distributed:
             # a rank may sit in a foreground all-gather while a peer blocks on its oldest save
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.group = _lazy_gloo_group(timeout_s)
             base_store = dist.distributed_c10d._get_default_store()
         else:
             self.group = None
@@ -54,10 +70,15 @@ class Comm:
         session = self.broadcast(uuid.uuid4().hex[:12])
         self.session = session
         self.store = dist.PrefixStore(f"dist_ckpt/{session}/", base_store)
+        contribution = torchrun_leader(self.rank) or host_name()
+        self.node = Node(self.store, self.rank, session,
+                         layout_from(self.rank, self.all_gather(contribution)), watch=self.distributed)
         self.fs_leader = 0
         self.fs_group = list(range(self.world_size))
+        self.fs_groups = 1  # how many filesystem groups the job has
         self.root_group_has_rank0 = True
         self._groups: list[Any] = []  # new_group's, destroyed by close
+        self._probes = 0
 
     def new_group(self, ranks: list[int], timeout_s: float, backend: str = "gloo") -> Any:
         """A process group of ``ranks`` for one purpose (all ranks call it, in the same order,
@@ -72,23 +93,52 @@ class Comm:
         return group
 
     def probe_shared_root(self, root: str) -> None:
-        """Find which ranks see the same ``root`` (all ranks, collective).
-
-        Each rank drops a marker file; after a barrier every rank lists the markers it sees.
+        """Find which ranks see the same ``root`` (all ranks, collective; ``probe_group``).
         Ranks sharing a filesystem form a group led by its lowest rank: the leader publishes
-        that group's copy of each generation. Sets ``fs_leader`` and ``root_group_has_rank0``.
+        that group's copy of each generation. Sets ``fs_group``, ``fs_leader``, ``fs_groups``
+        and ``root_group_has_rank0``."""
+        self.fs_group, self.fs_groups = self.probe_group(root)
+        self.fs_leader = self.fs_group[0]
+        self.root_group_has_rank0 = 0 in self.fs_group
+
+    def probe_group(self, directory: str) -> tuple[list[int], int]:
+        """The ranks that see the same ``directory`` as this rank, and how many such groups
+        the job has (all ranks, collective).
+
+        Rank 0 drops a marker; after a barrier each rank looks for it (one ``stat``) and an
+        all-gather of one flag per rank tells everyone who sees it. When every rank does, they
+        form one group and nobody lists the directory. Otherwise every rank drops its own
+        marker and the ranks that do not see rank 0's list the ones they see (on node-local
+        disks: their node's), never a directory of W entries.
         """
-        marker = os.path.join(root, f".probe-{self.session}-{self.rank}")
-        with open(marker, "wb"):
-            pass
+        self._probes += 1  # every rank probes in the same order: the same name everywhere
+        prefix = f".probe-{self.session}-{self._probes}-"
+        first = os.path.join(directory, f"{prefix}0")
+        if self.rank == 0:
+            with open(first, "wb"):
+                pass
         self.barrier()
-        prefix = f".probe-{self.session}-"
-        visible = sorted(int(n[len(prefix):]) for n in os.listdir(root) if n.startswith(prefix))
-        self.fs_group = visible
-        self.fs_leader = visible[0]
-        self.root_group_has_rank0 = 0 in visible
-        self.barrier()
-        os.unlink(marker)
+        sees_rank0 = self.all_gather(os.path.exists(first))
+        mine = None
+        if all(sees_rank0):
+            group, groups = list(range(self.world_size)), 1
+        else:
+            mine = os.path.join(directory, f"{prefix}{self.rank}") if self.rank != 0 else None
+            if mine is not None:
+                with open(mine, "wb"):
+                    pass
+            self.barrier()
+            if sees_rank0[self.rank]:
+                group = [r for r, sees in enumerate(sees_rank0) if sees]
+            else:
+                group = sorted(int(n[len(prefix):]) for n in os.listdir(directory)
+                               if n.startswith(prefix) and n[len(prefix):].isdigit())
+            groups = len(set(self.all_gather(group[0])))
+        self.barrier()  # every look done: the markers go
+        for marker in (first if self.rank == 0 else None, mine):
+            if marker is not None:
+                os.unlink(marker)
+        return group, groups
 
     def barrier(self) -> None:
         """All ranks: return once every rank reached this point (on the checkpoint group,
@@ -133,7 +183,7 @@ class Comm:
     def store_set(self, key: str, value: bytes) -> None:
         self.store.set(key, value)
 
-    def store_wait(self, keys: list[str], timeout_s: float) -> list[str]:
+    def store_wait(self, keys: list[str], timeout_s: float, max_interval: float = 0.05) -> list[str]:
         """Wait until every key exists or the deadline passes; returns the keys still missing.
 
         Polls ``check`` instead of a blocking ``wait``: a TCPStore ``wait`` that times out
@@ -147,7 +197,7 @@ class Comm:
             if not pending or time.monotonic() >= deadline:
                 return pending
             time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
-            interval = min(interval * 2, 0.05)
+            interval = min(interval * 2, max_interval)
 
     def store_get(self, key: str) -> bytes:
         return self.store.get(key)
@@ -166,8 +216,9 @@ class Comm:
             log.warning("could not read %s from the c10d store", key)
         return frozenset()
 
-    def close(self) -> None:
-        """Destroy the checkpoint group (local, no collective; idempotent).
+    def close(self, wait_s: float = 10.0) -> None:
+        """Destroy the checkpoint group (local, no collective; idempotent). A node leader
+        first waits (at most ``wait_s``) for its node's ranks to read what it relayed.
 
         The group object is released here, not at interpreter exit: freeing it joins its gloo
         worker threads (torch releases the GIL for that), so none is left to drop a finished
@@ -175,6 +226,7 @@ class Comm:
         noexcept destructor (std::terminate, SIGABRT). A job that destroyed the default group
         first has shut ours down with it; then only the reference is dropped.
         """
+        self.node.close(wait_s)
         groups, self._groups = [*self._groups, self.group], []
         self.group = None
         while groups:
@@ -194,7 +246,7 @@ class PendingGather:
     of them repeat the gather with ``all_gather_object`` (the same decision everywhere).
     """
 
-    FRAME_BYTES = 16384
+    FRAME_BYTES = 512  # a SaveFacts pickles to about 200-300 bytes; a larger one gathers again
     _HEADER = struct.Struct("<q")  # payload length, or -1: did not fit
 
     def __init__(self, comm: Comm, obj: Any) -> None:

@@ -4,12 +4,17 @@ Foreground (a collective on the checkpoint group):
 - :class:`SaveFacts`: what each rank knows when ``save()`` is called (all-gathered).
 
 Background (through the c10d store, never a collective; see docs/architecture.md):
-- :class:`RankReport`: rank r -> rank 0, ``report_key(generation, attempt_id, r)``.
-- :class:`CommitOutcome`: rank 0 -> every rank, ``outcome_key(generation, attempt_id)``.
+- :class:`RankReport`: rank r -> its node leader -> rank 0 (``protocol/gather.py``, scope
+  ``save_scope(generation, attempt_id)``: one key per node).
+- :class:`CommitOutcome`: rank 0 -> the node leaders, ``outcome_key(generation, attempt_id)``
+  (claimed first as ``COMMITTING``, or ``ABANDONED`` by a leader that gave up), -> their
+  nodes' ranks through the node directory (``outcome_relay``). The manifest itself goes only
+  to the leaders that publish a node copy (``manifest_key``).
 - node copy published: a filesystem leader -> its group, ``published_key(...)``.
-- :class:`MirrorAnnouncement`: rank 0's replay thread -> every replay thread,
-  ``replay_seq_key(channel, seq)``.
-- :class:`MirrorReport`: rank r's replay thread -> rank 0's, ``replay_report_key(channel, seq, r)``;
+- :class:`ReplayAnnouncement`: rank 0's replay thread -> every replay thread,
+  ``replay_seq_key(channel, seq)``, then the job's bell (``protocol/node.py``).
+- :class:`ReplayReport`: rank r's replay thread -> rank 0's, through its node leader
+  (``protocol/gather.py``, scope ``replay_scope(channel, seq)``);
   with node copies (node-local roots) rank 0's publish -> the other nodes' leaders,
   ``replay_outcome_key(channel, seq)``, and each such leader's copy -> rank 0,
   ``replay_copy_key(channel, seq, leader)``; before the outcome rank 0 offers the common
@@ -34,16 +39,27 @@ PREEMPT_TARGET_KEY = "preempt/target"  # the update every rank saves before stop
 PREEMPT_ACK_KEY = "preempt/acks"  # how many ranks know the target
 _STOP = "__stop__"
 
-Message = TypeVar("Message", "RankReport", "CommitOutcome", "MirrorAnnouncement", "MirrorReport")
+Message = TypeVar("Message", "RankReport", "CommitOutcome", "ReplayAnnouncement", "ReplayReport")
 
 
 # ---- store keys ---------------------------------------------------------------------------
-def report_key(generation: str, attempt_id: str, rank: int) -> str:
-    return f"{generation}/{attempt_id}/report/{rank}"
+def save_scope(generation: str, attempt_id: str) -> str:
+    """The scope of one save attempt's reports (``protocol/gather.py``)."""
+    return f"{generation}/{attempt_id}"
 
 
 def outcome_key(generation: str, attempt_id: str) -> str:
     return f"{generation}/{attempt_id}/outcome"
+
+
+def manifest_key(generation: str, attempt_id: str) -> str:
+    """The committed manifest's bytes, for the leaders that publish a node copy only."""
+    return f"{generation}/{attempt_id}/manifest"
+
+
+def outcome_relay(generation: str, attempt_id: str) -> str:
+    """The outcome's file name in the node directory (``Node.relay_post``)."""
+    return f"outcome-{generation}-{attempt_id}"
 
 
 def published_key(generation: str, attempt_id: str, leader: int) -> str:
@@ -58,8 +74,9 @@ def replay_seq_key(channel: str, seq: int) -> str:
     return f"replay/{channel}/seq/{seq}"
 
 
-def replay_report_key(channel: str, seq: int, rank: int) -> str:
-    return f"replay/{channel}/{seq}/report/{rank}"
+def replay_scope(channel: str, seq: int) -> str:
+    """The scope of one replay's reports (``protocol/gather.py``)."""
+    return f"replay/{channel}/{seq}"
 
 
 def replay_outcome_key(channel: str, seq: int) -> str:
@@ -72,7 +89,7 @@ def replay_copy_key(channel: str, seq: int, leader: int) -> str:
 
 def replay_common_key(channel: str, seq: int, generation: str, path: str | None = None) -> str:
     """Rank 0's offer of ``generation``'s common files to the other nodes' leaders; with
-    ``path``, that file's bytes (``save/common_files.py``)."""
+    ``path``, that file's bytes (``replay/common_files.py``)."""
     offer = f"replay/{channel}/{seq}/common/{generation}"
     return offer if path is None else f"{offer}/file/{path}"
 
@@ -109,33 +126,49 @@ class SaveFacts:
 class RankReport:
     rank: int
     files: list[dict] = field(default_factory=list)  # FileEntry fields
-    results: str = ""  # base64 of the pickled DCP write results
+    # base64 of the pickled DCP write results; "" when they equal this rank's results in the
+    # last generation it saw committed (rank 0 kept them: ``save/results_cache.py``)
+    results: str = ""
+    results_sha256: str = ""
     error: str | None = None
+
+
+# the outcome key's value while rank 0 publishes (it can no longer fail the generation), and
+# the value a node leader that gave up waiting sets first (rank 0 then may not publish)
+COMMITTING = b"committing"
+ABANDONED = b"abandoned"
 
 
 @dataclass(frozen=True)
 class CommitOutcome:
+    """Rank 0's verdict: a few hundred bytes whatever the world size (the manifest stays on
+    the tier; a rank that needs it reads it there and checks it against ``manifest_sha256``)."""
+
     ok: bool
     failures: dict[str, str] = field(default_factory=dict)  # rank (as text) -> message
-    manifest: str | None = None  # the committed manifest's JSON
+    generation: str = ""
+    manifest_sha256: str | None = None
 
 
 @dataclass(frozen=True)
-class MirrorAnnouncement:
+class ReplayAnnouncement:
+    """Rank 0's next generation to replay: its name and its manifest's digest (each rank
+    reads the manifest from its own source tier and checks it)."""
+
     generation: str
-    manifest: str = ""
+    manifest_sha256: str = ""
 
     @property
     def stop(self) -> bool:
         return self.generation == _STOP
 
     @classmethod
-    def stop_message(cls) -> MirrorAnnouncement:
+    def stop_message(cls) -> ReplayAnnouncement:
         return cls(_STOP)
 
 
 @dataclass(frozen=True)
-class MirrorReport:
+class ReplayReport:
     ok: bool
     error: str | None = None
 

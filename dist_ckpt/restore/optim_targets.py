@@ -39,12 +39,12 @@ def prebuild(state: TrainState, metadata: Metadata, components: Iterable[str]) -
     optimizer = state.optimizer
     if optimizer is None or "optimizer" not in set(components) or optimizer.state:
         return []
-    planned = _plan(state.model, optimizer, metadata)
-    if planned is None:
+    saved = _saved_entries(state.model, optimizer, metadata)
+    if saved is None:
         return []
-    for param, entries in planned.items():
+    for param, entries in saved.items():
         optimizer.state[param] = {name: _target(param, meta) for name, meta in entries.items()}
-    return list(planned)
+    return list(saved)
 
 
 def discard(state: TrainState, params: list[torch.Tensor]) -> None:
@@ -54,8 +54,8 @@ def discard(state: TrainState, params: list[torch.Tensor]) -> None:
             state.optimizer.state.pop(param, None)
 
 
-def _plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-          metadata: Metadata) -> dict[torch.Tensor, dict[str, TensorStorageMetadata]] | None:
+def _saved_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   metadata: Metadata) -> dict[torch.Tensor, dict[str, TensorStorageMetadata]] | None:
     try:  # torch's own parameter-name canonicalisation (DDP, compile and FSDP prefixes)
         from torch.distributed.checkpoint.state_dict import _get_fqns
     except ImportError:  # pragma: no cover - a torch without it keeps its own path
@@ -68,7 +68,7 @@ def _plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     names: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         names[id(param)].append(name)
-    planned: dict[torch.Tensor, dict[str, TensorStorageMetadata]] = {}
+    found: dict[torch.Tensor, dict[str, TensorStorageMetadata]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             if not param.requires_grad:
@@ -76,10 +76,10 @@ def _plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             known = names.get(id(param), [])
             fqns = _get_fqns(model, known[0]) if len(known) == 1 else set()  # not shared
             entries = saved.get(next(iter(fqns))) if len(fqns) == 1 else None
-            if not entries or param in planned or not all(_fits(param, m) for m in entries.values()):
+            if not entries or param in found or not all(_fits(param, m) for m in entries.values()):
                 return None
-            planned[param] = entries  # type: ignore[assignment]
-    return planned or None
+            found[param] = entries  # type: ignore[assignment]
+    return found or None
 
 
 def _fits(param: torch.Tensor, meta: object) -> bool:

@@ -1,6 +1,6 @@
 """The save path: staging buffers, the DCP save plan, the per-rank write and the cross-rank
-commit protocol, cadence and free-space checks, and the replay of committed generations into
-another tier (the mirror; the memory tier's persistence).
+commit protocol, cadence and free-space checks. The replay of committed generations into
+another tier is ``dist_ckpt.replay``'s.
 
 Owns: everything between ``save()`` returning and a generation being committed in a tier.
 May import: ``restart``, ``format``, ``storage``, ``protocol``, ``tiers``.

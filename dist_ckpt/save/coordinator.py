@@ -7,24 +7,35 @@ one; the full sequence with store keys is in docs/architecture.md, "Save"):
 1. ``write_rank_files`` (all ranks): DCP shard data and this rank's state files below the
    attempt's local directory, hashed (BLAKE3 by default) while written, each file fsynced; then
    ``Attempt.put_files`` hands them to the tier (an object store uploads and verifies them).
-2. report (all ranks): a ``RankReport`` under ``report_key(G, A, rank)``: files, sizes,
-   digests, DCP write results, or the error.
+2. report (all ranks): a ``RankReport`` (files, sizes, digests, the DCP write results
+   unless they repeat the last committed ones, or the error) to rank 0 through the node
+   leader (``protocol/gather.py``: each leader posts one key for its node and counts itself
+   in).
 3. ``commit`` (rank 0, ``dist_ckpt.save.commit``): collect every report until the deadline,
+   claim the commit point (``COMMITTING`` under ``outcome_key(G, A)``, compare-and-set),
    then publish through the tier, manifest last; on any failure abandon the attempt.
-4. outcome (rank 0 posts a ``CommitOutcome`` under ``outcome_key(G, A)``; other ranks wait
-   for it with a deadline and release their local bytes). On a tier whose filesystem groups
-   hold their own copies, each group's leader then publishes its copy. No collective runs
-   in this protocol.
+4. outcome: rank 0 sets a ``CommitOutcome`` (a few hundred bytes: ok, failures, the
+   manifest's sha256) under ``outcome_key(G, A)``. Node leaders read it from the store, then
+   relay it to their node's ranks through the node directory (``Node.relay_post``); the
+   others never read the store for it. The deadline rule: a leader that has seen no outcome
+   by save start + ``commit_timeout_s`` + max(30 s, ``commit_timeout_s``) claims the key as
+   ``ABANDONED``; rank 0 publishes only after its own claim succeeded, and a leader that finds
+   ``COMMITTING`` waits for the verdict. So no rank records as failed a generation rank 0
+   commits. Then each rank releases its local bytes; on a tier whose filesystem groups hold
+   their own copies, each group's leader publishes its copy with the manifest rank 0 offered
+   under ``manifest_key`` (checked against the outcome's digest). No collective runs in
+   this protocol.
 
-Store keys: reports are deleted by rank 0 once read. Readers of the outcome and of a
-node-copy (``published``) key acknowledge it; the rank that set it deletes it once all have
-(``StoreKeyRetirer``), so a long run leaves nothing behind.
+Store keys: node keys and members' reports are deleted by their one reader. Readers of the
+outcome, the offered manifest and a node-copy (``published``) key acknowledge it; the rank
+that set it deletes it once all have (``StoreKeyRetirer``), so a long run leaves nothing
+behind.
 """
 
 from __future__ import annotations
 
-import base64
 import functools
+import hashlib
 import os
 import pickle
 import threading
@@ -40,7 +51,7 @@ from ..digests import digest_bytes
 from ..errors import CommitError
 from ..format.manifest import DCP_DIR, GLOBAL_STATE_FILE, OBJECTS_DIR, STATE_DIR, FileEntry, rank_state_file
 from ..format.objects import write_copies
-from ..protocol import messages
+from ..protocol import gather, messages
 from ..protocol.comm import Comm
 from ..protocol.messages import CommitOutcome, RankReport
 from ..storage.directio import durable_file
@@ -53,6 +64,13 @@ from .reuse import NEW_OBJECT_PREFIX, name_objects, object_file_name, split_plan
 from .shardio import SaveAbandoned, hashing_writer, without_zip_crc32
 
 __all__ = ["SaveJob", "SaveRequest", "StoreKeyRetirer", "run_save", "run_save_in_background"]
+
+# past its deadline, rank 0 has this long (or commit_timeout_s, if longer) to claim the commit
+# before a node leader may abandon the generation for everyone
+OUTCOME_GRACE_S = 30.0
+# a rank other than a leader waits for the relay this much past rank 0's own deadline before
+# it asks the store (its leader may be dead)
+RELAY_GRACE_S = 5.0
 
 
 class StoreKeyRetirer:
@@ -192,40 +210,84 @@ def run_save_in_background(job: SaveJob, comm: Comm, io_threads: int, commit_tim
 
 
 def _write_and_report(request: SaveRequest, comm: Comm, io_threads: int, job: SaveJob,
-                      commit_timeout_s: float) -> RankReport:
+                      commit_timeout_s: float) -> tuple[RankReport, bytes]:
+    """Write this rank's files and post its report; returns the report and its encoded bytes
+    (a node leader keeps them for its node message instead of posting)."""
     outcome_posted = messages.outcome_key(request.generation, request.attempt_id)
+    digest = ""
     try:
         if comm.rank != 0 and comm.store.check([outcome_posted]):
             raise CommitError("generation already failed before this rank wrote")
         entries, results = write_rank_files(request, comm.rank, io_threads, commit_timeout_s)
         job.written = True  # its bytes are on disk: the space preflight stops counting it
         request.attempt.put_files(entries)
-        report = RankReport(comm.rank, entries, base64.b64encode(results).decode("ascii"))
+        encoded, digest = request.prepared.results.outgoing(results)
+        report = RankReport(comm.rank, entries, encoded, digest)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, surfaced as CommitError
         report = RankReport(comm.rank, error=f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
+    raw = messages.encode(report)
     faults.hit("report.before", comm.rank)
-    messages.post(comm, messages.report_key(request.generation, request.attempt_id, comm.rank), report)
+    gather.post(comm, messages.save_scope(request.generation, request.attempt_id), raw)
     faults.hit("report.after", comm.rank)
-    return report
+    return report, raw
+
+
+def _outcome(request: SaveRequest, comm: Comm, job: SaveJob, raw: bytes,
+             commit_timeout_s: float) -> CommitOutcome:
+    """This rank's copy of rank 0's verdict (module docstring, steps 3 and 4)."""
+    scope = messages.save_scope(request.generation, request.attempt_id)
+    key = messages.outcome_key(request.generation, request.attempt_id)
+    node = comm.node
+    readers: list[int] = []
+    if comm.rank == 0:
+        outcome, job.manifest_raw, readers = commit(request, comm, commit_timeout_s, raw)
+        if job.manifest_raw is not None and len(comm.fs_group) < comm.world_size:
+            # leaders of other filesystem groups publish their copy: they need the bytes
+            comm.store_set(messages.manifest_key(request.generation, request.attempt_id), job.manifest_raw)
+            job.store_keys.append((messages.manifest_key(request.generation, request.attempt_id),
+                                   comm.fs_groups - 1))
+        encoded = messages.encode(outcome)
+        comm.store.set(key, encoded)
+        job.store_keys.append((key, comm.world_size - 1))  # every rank acknowledges it
+    elif node.is_leader:
+        faults.hit("node.before_forward", comm.rank)
+        readers = list(gather.forward(comm, scope, raw, request.started + commit_timeout_s).received)
+        faults.hit("node.after_forward", comm.rank)
+        encoded = _await_outcome(request, comm, commit_timeout_s)
+    else:
+        # rank 0 decides by the deadline plus its grace for the node keys; a leader that died
+        # relays nothing, and then this rank asks the store itself, by the leaders' rule
+        bound = request.started + commit_timeout_s + gather.GRACE_S + RELAY_GRACE_S - time.monotonic()
+        relayed = node.relay_wait(messages.outcome_relay(request.generation, request.attempt_id),
+                                  max(0.0, bound))
+        if relayed is not None:
+            # the key stays in the store until every rank read the outcome: one whose leader
+            # closed before it read the relay reads the key instead
+            comm.store.add(messages.ack_key(key), 1)
+            encoded = relayed
+        else:
+            encoded = _await_outcome(request, comm, commit_timeout_s)
+    if node.is_leader:
+        if node.layout.members != (comm.rank,):
+            # close waits for the ranks that reported to read it: the others may be dead
+            node.relay_post(messages.outcome_relay(request.generation, request.attempt_id), encoded,
+                            readers)
+        node.hint()  # a replay announcement may follow a commit: the watcher looks sooner
+    return messages.decode(CommitOutcome, encoded)
 
 
 def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float) -> None:
     """Drive one save on this rank (see the module docstring); never raises, sets job.error."""
     request = job.request
     try:
-        report = _write_and_report(request, comm, io_threads, job, commit_timeout_s)
-        if comm.rank == 0:
-            outcome = commit(request, comm, commit_timeout_s)
-            key = messages.outcome_key(request.generation, request.attempt_id)
-            messages.post(comm, key, outcome)
-            job.store_keys.append((key, comm.world_size - 1))
-        else:
-            outcome = _await_outcome(request, comm, commit_timeout_s)
+        report, raw = _write_and_report(request, comm, io_threads, job, commit_timeout_s)
+        outcome = _outcome(request, comm, job, raw, commit_timeout_s)
+        if comm.rank != 0:
             request.attempt.release(report.files, committed=outcome.ok)
         if outcome.ok:
-            assert outcome.manifest is not None
-            job.manifest_raw = outcome.manifest.encode("utf-8")
+            request.prepared.results.committed(report.results_sha256)
+            job.manifest_sha256 = outcome.manifest_sha256
             if not comm.root_group_has_rank0 and not request.attempt.shared:
                 _publish_node_copy(request, comm, job, commit_timeout_s)
             job.committed = True
@@ -248,25 +310,66 @@ def run_save(job: SaveJob, comm: Comm, io_threads: int, commit_timeout_s: float)
             job.done.set()
 
 
-def _await_outcome(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> CommitOutcome:
+def _hard_bound(request: SaveRequest, comm: Comm) -> float:
+    """How long a rank waits for a verdict rank 0 claimed to be publishing: as long as a
+    restore may take (the checkpoint group's timeout), from the save's start."""
+    return max(0.0, request.started + comm.timeout_s - time.monotonic())
+
+
+def _await_outcome(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> bytes:
+    """A node leader: rank 0's verdict from the store. At the deadline (rank 0 stops waiting
+    for reports at ``commit_timeout_s``, then needs a moment to publish) the leader claims the
+    outcome key as ``ABANDONED``; when rank 0 claimed it first (``COMMITTING``: it is
+    publishing), the leader waits for the verdict that replaces it, up to ``_hard_bound``."""
     key = messages.outcome_key(request.generation, request.attempt_id)
-    # rank 0 stops waiting for reports at the deadline and then needs a moment to publish
-    remaining = commit_timeout_s - (time.monotonic() - request.started) + max(30.0, commit_timeout_s)
-    if comm.store_wait([key], remaining):
-        return CommitOutcome(False, {"0": "rank 0 published no outcome before the deadline"})
-    outcome = messages.decode(CommitOutcome, comm.store_get(key))
+    remaining = commit_timeout_s - (time.monotonic() - request.started) \
+        + max(OUTCOME_GRACE_S, commit_timeout_s)
+    deadline, interval = time.monotonic() + remaining, 0.002
+    while True:
+        value = comm.store_get(key) if comm.store.check([key]) else None
+        if value is not None and value != messages.COMMITTING:
+            break  # the verdict, or ABANDONED by another leader
+        if time.monotonic() >= deadline:
+            # the deadline rule: rank 0 claimed the commit by now (it is publishing), or
+            # this claim makes the generation failed for every rank
+            value = comm.store.compare_set(key, "", messages.ABANDONED.decode())
+            if value in (messages.ABANDONED, messages.COMMITTING):
+                faults.hit("outcome.abandoned" if value == messages.ABANDONED else "outcome.committing",
+                           comm.rank)
+            break
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+        interval = min(interval * 2, 0.1)
+    interval = 0.002
+    while value == messages.COMMITTING and _hard_bound(request, comm) > 0:
+        time.sleep(min(interval, _hard_bound(request, comm)))
+        interval = min(interval * 2, 0.1)
+        value = comm.store_get(key)
+    if value in (messages.COMMITTING, messages.ABANDONED):
+        why = "published no outcome before the deadline" if value == messages.ABANDONED \
+            else "claimed the commit and published no outcome"
+        return messages.encode(CommitOutcome(False, {"0": f"rank 0 {why}"}, request.generation))
     comm.store.add(messages.ack_key(key), 1)
-    return outcome
+    return value
 
 
 def _publish_node_copy(request: SaveRequest, comm: Comm, job: SaveJob,
                        commit_timeout_s: float) -> None:
     """Node-local disks: the leader of a group without rank 0 publishes its node's copy
-    (manifest, fsync, rename, root fsync); the group's other ranks wait for it."""
+    (manifest, fsync, rename, root fsync); the group's other ranks wait for it. The leader
+    reads the manifest rank 0 offered and checks it against the outcome's digest."""
     key = messages.published_key(request.generation, request.attempt_id, comm.fs_leader)
     if comm.rank == comm.fs_leader:
-        assert job.manifest_raw is not None
-        request.attempt.publish_copy(job.manifest_raw)
+        offered = messages.manifest_key(request.generation, request.attempt_id)
+        if comm.store_wait([offered], commit_timeout_s):
+            raise CommitError(f"rank 0 offered no manifest of {request.generation}",
+                              generation=request.generation)
+        manifest_raw = comm.store_get(offered)
+        comm.store.add(messages.ack_key(offered), 1)
+        if hashlib.sha256(manifest_raw).hexdigest() != job.manifest_sha256:
+            raise CommitError(f"the manifest of {request.generation} offered by rank 0 does not match "
+                              "the outcome's digest", generation=request.generation)
+        job.manifest_raw = manifest_raw
+        request.attempt.publish_copy(manifest_raw)
         comm.store_set(key, b"1")
         job.store_keys.append((key, len(comm.fs_group) - 1))
     elif comm.store_wait([key], commit_timeout_s):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ..protocol.comm import Comm
 from ..restart.tree import walk
+from .results_cache import WriteResultsCache
 
 
 @torch.no_grad()  # DTensor.to_local without an autograd node per tensor
@@ -51,6 +52,8 @@ class PreparedSave:
     plan: SavePlan
     metadata: Metadata | None  # rank 0 only; a private copy per save
     reused: bool
+    # what the saves under this plan repeat (every rank's write results, rank 0's .metadata)
+    results: WriteResultsCache = field(default_factory=WriteResultsCache)
 
 
 class SavePlanCache:
@@ -63,6 +66,7 @@ class SavePlanCache:
         self._metadata: Metadata | None = None
         self.planning_rounds = 0
         self.plan_bytes: int | None = None  # tensor bytes this rank writes under the cached plan
+        self.results = WriteResultsCache()
 
     def written_fqns(self, fingerprint: str) -> frozenset[str] | None:
         """The state-dict keys this rank writes under the cached plan, when that plan is for
@@ -74,13 +78,15 @@ class SavePlanCache:
     def clear(self) -> None:
         """Forget the cached plan (the next ``prepare`` plans again on every rank)."""
         self.fingerprint, self._plan, self._metadata, self.plan_bytes = None, None, None, None
+        self.results.clear()
 
     def prepare(self, state: Any, fingerprint: str, all_cached: bool) -> PreparedSave:
         """All ranks call this together; ``all_cached`` must be the agreed value."""
         planner = DefaultSavePlanner()
         planner.set_up_planner(state, storage_meta=None, is_coordinator=self.comm.rank == 0)
         if all_cached and self._plan is not None:
-            return PreparedSave(planner, self._plan, copy.copy(self._metadata), reused=True)
+            return PreparedSave(planner, self._plan, copy.copy(self._metadata), reused=True,
+                                results=self.results)
         local_plan = planner.create_local_plan()
         all_plans = self.comm.gather(local_plan)
         global_plans: list[SavePlan] | None = None
@@ -94,7 +100,7 @@ class SavePlanCache:
         self.fingerprint, self._plan, self._metadata = fingerprint, final_plan, metadata
         self.plan_bytes = plan_bytes(final_plan)
         self.planning_rounds += 1
-        return PreparedSave(planner, final_plan, copy.copy(metadata), reused=False)
+        return PreparedSave(planner, final_plan, copy.copy(metadata), reused=False, results=self.results)
 
 
 def plan_bytes(plan: SavePlan) -> int:

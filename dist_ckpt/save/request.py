@@ -12,7 +12,7 @@ from ..digests import DEFAULT_ALGORITHM
 from ..errors import CommitError
 from ..tiers.base import Attempt
 from .planning import PreparedSave
-from .reuse import ReusePlan
+from .reuse import ReuseDecision
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class SaveRequest:
     started: float = field(default_factory=time.monotonic)
     digest_algorithm: str = DEFAULT_ALGORITHM  # of every file this save writes (manifest records it)
     staging_error: Exception | None = None  # a lazy copy that failed: nothing may be written
-    reuse: ReusePlan | None = None  # incremental: the frozen items referenced or written as objects
+    reuse: ReuseDecision | None = None  # incremental: the frozen items referenced or written as objects
 
     @property
     def attempt_id(self) -> str:
@@ -57,7 +57,8 @@ class SaveJob:
     thread: threading.Thread | None = None
     committed: bool = False
     duration_s: float = 0.0
-    manifest_raw: bytes | None = None
+    manifest_raw: bytes | None = None  # rank 0, and the leaders that publish a node copy
+    manifest_sha256: str | None = None  # every rank, once committed (the outcome's)
     blocking_s: float = 0.0  # training time this save took on the calling thread
     store_keys: list[tuple[str, int]] = field(default_factory=list)  # (key set here, readers)
     written: bool = False

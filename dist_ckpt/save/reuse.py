@@ -13,8 +13,8 @@ or ``CheckpointManager.rewrite_frozen()`` cover it.
 
 Protocol (every rank, for its own items; no collective):
 
-1. main thread, in ``save()`` before staging: ``ReuseLedger.plan(live, fingerprint)`` gives
-   a :class:`ReusePlan`: the proof of every frozen candidate now, and those whose proof equals
+1. main thread, in ``save()`` before staging: ``ReuseLedger.decide(live, fingerprint)`` gives
+   a :class:`ReuseDecision`: the proof of every frozen candidate now, and those whose proof equals
    the one recorded for the newest generation this rank saw committed (``reused``): they are
    neither copied to staging nor written nor hashed (``keeps_live``);
 2. save thread, in the write (``dist_ckpt.save.coordinator``): ``split_plan`` takes the reused
@@ -101,8 +101,8 @@ Chunk = tuple[int, ...]  # a chunk's offsets
 
 
 @dataclass
-class ReusePlan:
-    """One save's decision (``ReuseLedger.plan``)."""
+class ReuseDecision:
+    """One save's decision (``ReuseLedger.decide``)."""
 
     proofs: dict[str, Proof]  # fqn -> proof: every frozen candidate of this save
     reused: dict[str, dict[Chunk, Record]]  # fqn -> its chunks' records: not written
@@ -144,7 +144,7 @@ def _versions(param: torch.Tensor) -> tuple[int, ...]:
 
 class ReuseLedger:
     """One rank's records of the frozen tensors it holds as shared objects (module docstring).
-    ``plan`` runs on the main thread, ``settle`` on save threads: a lock guards the records."""
+    ``decide`` runs on the main thread, ``settle`` on save threads: a lock guards the records."""
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, *, full_every: int) -> None:
         self.model = model
@@ -154,7 +154,7 @@ class ReuseLedger:
         self.owners: dict[str, weakref.ref] = {}
         self.fingerprint: str | None = None  # the layout the records were written under
         self.update = -1  # next_update of the generation the records come from
-        self.planned = 0
+        self.decided = 0
         self.forced = False  # rewrite_frozen(): the next save writes every candidate
         self._lock = threading.Lock()
 
@@ -180,21 +180,21 @@ class ReuseLedger:
         return found
 
     @torch.no_grad()
-    def plan(self, live: Any, fingerprint: str, mine: frozenset[str] | None = None) -> ReusePlan:
+    def decide(self, live: Any, fingerprint: str, mine: frozenset[str] | None = None) -> ReuseDecision:
         """Main thread, in ``save()``, before staging: the proofs and what is reused. ``mine``:
         the keys this rank writes under the cached plan for ``fingerprint`` (None: unknown)."""
         proofs, owners, kept = self._proofs(live)
         with self._lock:
-            self.planned += 1
-            full = self.forced or (self.full_every > 0 and self.planned % self.full_every == 0)
+            self.decided += 1
+            full = self.forced or (self.full_every > 0 and self.decided % self.full_every == 0)
             self.forced = False
             reused = {} if full or fingerprint != self.fingerprint else {
                 fqn: self.records[fqn] for fqn, proof in proofs.items()
                 if fqn in self.records and self._same(fqn, proof, owners[fqn])}
         elsewhere = frozenset() if mine is None else frozenset(
             id(value) for fqn, value in kept.items() if fqn not in mine)
-        return ReusePlan(proofs, reused, frozenset(id(kept[fqn]) for fqn in reused), owners,
-                         elsewhere_ids=elsewhere)
+        return ReuseDecision(proofs, reused, frozenset(id(kept[fqn]) for fqn in reused), owners,
+                             elsewhere_ids=elsewhere)
 
     def _proofs(self, live: Any) -> tuple[dict[str, Proof], dict[str, weakref.ref], dict[str, torch.Tensor]]:
         """Every frozen candidate of ``live`` by fqn: its proof now, its parameter, its tensor."""
@@ -227,7 +227,7 @@ class ReuseLedger:
             return False  # another parameter object: its history is unknown
         return all(r.proof == proof for r in self.records[fqn].values())
 
-    def settle(self, reuse: ReusePlan, fingerprint: str, next_update: int, committed: bool) -> None:
+    def settle(self, reuse: ReuseDecision, fingerprint: str, next_update: int, committed: bool) -> None:
         """A save's outcome (its save thread): a committed generation newer than the records'
         becomes the reference for the next saves."""
         if not committed:
@@ -294,7 +294,7 @@ def _object_chunks(fqn: str, proof: Proof, metadata: Metadata, manifest: Manifes
     return chunks
 
 
-def split_plan(plan: SavePlan, reuse: ReusePlan) -> tuple[SavePlan, set[MetadataIndex],
+def split_plan(plan: SavePlan, reuse: ReuseDecision) -> tuple[SavePlan, set[MetadataIndex],
                                                            list[WriteResult], list[dict]]:
     """The items to write, the object items among them, and the reused items' write results
     and manifest entries (save thread)."""
@@ -329,7 +329,7 @@ def object_file_name(prefix: str, index: int) -> str:
 
 
 def name_objects(local_dir: str, results: list[WriteResult], digests: dict[str, tuple[int, str]],
-                 algorithm: str, rank: int, reuse: ReusePlan,
+                 algorithm: str, rank: int, reuse: ReuseDecision,
                  sizes_of: Callable[[MetadataIndex], tuple[tuple[int, ...], tuple[int, ...]]]
                  ) -> tuple[list[WriteResult], list[dict]]:
     """Rename each new object file to its digest's name, point its write result there, and
@@ -369,7 +369,7 @@ def open_ledger(config: Any, state: Any, *, single_copy: bool, shares_objects: b
     return ReuseLedger(state.model, state.optimizer, full_every=config.reuse_full_every)
 
 
-def settling(ledger: ReuseLedger | None, reuse: ReusePlan | None, fingerprint: str,
+def settling(ledger: ReuseLedger | None, reuse: ReuseDecision | None, fingerprint: str,
              next_update: int, then: Callable[[Any], None]) -> Callable[[Any], None]:
     """A save job's ``on_done``: the ledger learns the outcome, then ``then(job)`` runs."""
     if ledger is None or reuse is None:

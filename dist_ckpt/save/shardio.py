@@ -273,7 +273,7 @@ class SmallItemsApartWriter(FileSystemWriter):
     that loads it then reads that small file, not the rank's whole shard. A verified restore
     hashes every file it reads from, so with one file per rank an FSDP restore hashed twice
     the bytes on one rank; an object-store restore downloaded them, and another node of the
-    memory tier received them (``memory/plan.py``)."""
+    memory tier received them (``memory/routes.py``)."""
 
     object_items: frozenset = frozenset()  # MetadataIndex of items written as shared objects
     object_name: Callable[[str, int], str] | None = None  # (prefix, index) -> name below dcp/

@@ -75,8 +75,8 @@ def write_durable(path: str, data: bytes) -> None:
 
 def atomic_write(path: str, data: bytes) -> None:
     """Replace ``path`` with ``data`` durably: readers see the old bytes or the new, never
-    part of them. The one temporary-file-then-rename of the library: unique tmp name in the
-    same directory, fsync, rename, directory fsync."""
+    part of them. The durable temporary-file-then-rename every persistent file of the
+    library uses: unique tmp name in the same directory, fsync, rename, directory fsync."""
     directory = os.path.dirname(path)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
     try:

@@ -46,6 +46,7 @@ from ..format.manifest import (
     PENDING_PREFIX,
     STATE_DIR,
     Manifest,
+    RejectedEntry,
     parse_generation,
 )
 from ..format.validate import Problem, read_verified
@@ -170,6 +171,19 @@ class FileRepairs(Protocol):
         there is one, is moved aside with ``reason`` first. ``fresh`` None: only move the
         damaged copy aside (an object no tier holds intact). Returns where it went (None:
         the file was missing)."""
+
+
+@runtime_checkable
+class PutsBack(Protocol):
+    """A tier that keeps quarantined generations (``keeps_rejected``) and can return one to the
+    root (``dist-ckpt unquarantine``, an operator's act; the job never calls it)."""
+
+    def put_back(self, entry: RejectedEntry, check: Callable[[StoreReader], Any]) -> str:
+        """Make quarantined generation ``entry`` the committed generation of its name again,
+        its bytes unchanged, and return where it is. ``check(view)`` validates (raising) the
+        bytes that become the generation before any of them is visible under its name.
+        ``GenerationExists`` when something holds the name: nothing there is replaced. The
+        latest pointer is the caller's."""
 
 
 # ---- shared pieces of the implementations -------------------------------------------------

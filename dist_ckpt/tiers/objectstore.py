@@ -12,7 +12,7 @@ Protocol for generation ``G`` (docs/architecture.md, "Save"):
    the structure and the listed objects' sizes, then replaces ``latest.json``.
 As a replay's destination (the mirror), a shared object of an incremental generation goes to
 ``objects/<name>`` at the store's root, uploaded only when the store lacks it there, and the
-replay creates the manifest only once every object it lists is there (``save/replay.py``);
+replay creates the manifest only once every object it lists is there (``replay/replayer.py``);
 readers fetch it from there (``Manifest.where``, ``tiers/verified.py``).
 Readers trust only generations whose manifest exists, is named by no rejection marker and
 whose objects verify; objects of failed attempts are orphans that only retention removes
@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +37,7 @@ from ..format.manifest import (
     REJECTED_MARKER_PREFIX,
     FileEntry,
     Manifest,
+    RejectedEntry,
     is_object_path,
     pending_dir_name,
 )
@@ -43,7 +45,7 @@ from ..format.objects import holds_object
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, check_structure, move_latest
 from ..storage import checksum
-from ..storage.base import is_remote
+from ..storage.base import StoreReader, is_remote
 from ..storage.objectstore import ObjectStore
 from .base import (
     GenerationReader,
@@ -54,7 +56,7 @@ from .base import (
     remove_stale_pending,
     stale_uncommitted,
 )
-from .rejected_store import finish_marked, mark_and_move
+from .rejected_store import finish_marked, mark_and_move, put_back
 from .verified import VerifiedObjectReader
 
 log = logs.get(__name__)
@@ -162,7 +164,8 @@ class ObjectStoreAttempt:
                                    "(another writer committed it)") from exc
         faults.hit("commit.after_rename", 0)
         check_structure(store, self.generation, key=signing_key)
-        check_sizes(store, self.generation, manifest)
+        # the ranks verified their own uploads; this asks the store once more, in parallel
+        check_sizes(store, self.generation, manifest, concurrency=max(16, self.tier.concurrency))
         move_latest(store, manifest, raw)
         return raw
 
@@ -239,6 +242,10 @@ class ObjectStoreTier:
     def move_aside(self, problem: Problem) -> str | None:
         """Copied below ``rejected/`` in restartable steps (``dist_ckpt.tiers.rejected_store``)."""
         return mark_and_move(self.store, problem)
+
+    def put_back(self, entry: RejectedEntry, check: Callable[[StoreReader], Any]) -> str:
+        """Copied back from ``rejected/``, manifest last (``dist_ckpt.tiers.rejected_store``)."""
+        return put_back(self.store, entry, check)
 
 
 register_tier(is_remote, lambda url, options: ObjectStoreTier(

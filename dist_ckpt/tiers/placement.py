@@ -18,7 +18,6 @@ tiers are open and before anything is written. It
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from .. import logs
@@ -87,21 +86,8 @@ def _root_groups(comm: Comm, root: CommitTier, target: CommitTier) -> RootGroups
         leader = comm.fs_leader
     else:
         makedirs_durable(root.local_root)
-        group = _probe(comm, root.local_root)
+        group, _ = comm.probe_group(root.local_root)
         root.local_ranks = frozenset(group)
         leader = group[0]
     leaders = tuple(sorted(set(comm.all_gather(leader))))
     return RootGroups(leader, leaders)
-
-
-def _probe(comm: Comm, directory: str) -> list[int]:
-    """The ranks that see this rank's marker in ``directory`` (all ranks, collective)."""
-    prefix = f".probe-root-{comm.session}-"
-    marker = os.path.join(directory, f"{prefix}{comm.rank}")
-    with open(marker, "wb"):
-        pass
-    comm.barrier()
-    visible = sorted(int(n[len(prefix):]) for n in os.listdir(directory) if n.startswith(prefix))
-    comm.barrier()
-    os.unlink(marker)
-    return visible

@@ -10,24 +10,32 @@ A damaged file that restore replaced with a good copy of the same save goes to
 A damaged shared object (``ROOT/objects/<name>``, referenced by several generations) is
 replaced where it lies and kept as ``.../<generation>-files-.../objects/<name>``.
 An object store builds the same entry by copying: ``dist_ckpt.tiers.rejected_store``.
+``put_back`` is the way back for a quarantined generation (``dist-ckpt unquarantine``): one
+rename, never over anything that holds the name.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Callable
+from typing import Any
 
 from .. import logs
-from ..errors import UnsafeFileError
+from ..errors import GenerationExists, UnsafeFileError
 from ..format.manifest import (
     REASON_NAME,
     REJECTED_DIR,
+    RejectedEntry,
     is_object_path,
     parse_generation,
     rejected_entry_name,
     rejected_files_entry_name,
 )
+from ..format.quarantine import EntryView
 from ..format.validate import Problem
-from ..storage.local import fsync_dir, write_durable
+from ..storage.base import StoreReader
+from ..storage.local import LocalStore, fsync_dir, write_durable
 
 log = logs.get(__name__)
 
@@ -46,6 +54,36 @@ def move_aside(root: str, problem: Problem) -> str | None:
     fsync_dir(target_dir)
     fsync_dir(root)
     log.warning("moved rejected generation %s aside to %s", problem.generation, target)
+    return target
+
+
+def put_back(store: LocalStore, entry: RejectedEntry, check: Callable[[StoreReader], Any]) -> str:
+    """Rename quarantined generation ``entry`` back to ``ROOT/<generation>`` once ``check``
+    passed on it in its entry (the rename moves those very bytes): the generation appears whole
+    or not at all. ``GenerationExists`` when the name is taken, whatever holds it (a rename
+    never replaces a directory that holds anything). Its ``reason.txt`` goes after the rename
+    (a crash in between leaves that one extra file, which no manifest lists)."""
+    root = store.root
+    source = os.path.join(root, entry.path)
+    target = os.path.join(root, entry.generation)
+    taken = GenerationExists(f"{entry.generation} already exists under {root}")
+    if os.path.lexists(target):
+        raise taken
+    check(EntryView(store, entry))
+    try:
+        os.rename(source, target)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):  # saved or put back meanwhile
+            raise taken from exc
+        raise
+    fsync_dir(root)
+    fsync_dir(os.path.dirname(source))
+    try:
+        os.unlink(os.path.join(target, REASON_NAME))
+    except FileNotFoundError:
+        pass
+    fsync_dir(target)
+    log.info("put quarantined %s back as %s", source, target)
     return target
 
 

@@ -22,18 +22,21 @@ rejected manifest still there (``finish_marked``).
 
 Who calls it and when: ``ObjectStoreTier.move_aside`` (from ``dist_ckpt.restore.quarantine`` on
 rank 0, and ``dist-ckpt quarantine``); ``finish_marked``: the tier's publish, on rank 0.
+``put_back`` is the way back (``dist-ckpt unquarantine``), in restartable steps of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
 
 from .. import faults, logs
-from ..errors import ValidationError
+from ..errors import GenerationExists, ValidationError
 from ..format.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -41,13 +44,15 @@ from ..format.manifest import (
     REJECTED_DIR,
     REJECTED_MARKER_PREFIX,
     Manifest,
+    RejectedEntry,
     parse_generation,
     rejected_entry_name,
     rejected_generation,
     rejected_marker_name,
 )
-from ..format.validate import Problem
-from ..storage.base import read_bounded
+from ..format.quarantine import EntryView, StagedView
+from ..format.validate import Problem, check_sizes, check_structure
+from ..storage.base import StoreReader, read_bounded
 from ..storage.objectstore import ObjectStore
 
 log = logs.get(__name__)
@@ -205,3 +210,43 @@ def _finish_unlisted(store: ObjectStore, generation: str) -> str | None:
             _clean(store, marker)
             moved = store.url(f"{REJECTED_DIR}/{marker.entry}")
     return moved
+
+
+def put_back(store: ObjectStore, entry: RejectedEntry, check: Callable[[StoreReader], Any]) -> str:
+    """Make quarantined generation ``entry`` committed at ``G`` again, the steps of a publish:
+
+    1. refuse (``GenerationExists``) while ``G/manifest.json`` exists; ``check`` the entry in
+       place; finish the last step of every earlier move of G cut short
+       (``_finish_unlisted``): it would delete what is copied next;
+    2. copy every object of the entry but its manifest and ``reason.txt`` to the same name
+       below G (the manifest's ``data_dir`` is the attempt it was saved in: no save of
+       another attempt writes there);
+    3. check the copy's structure and sizes, read with the entry's manifest (``StagedView``);
+    4. create ``G/manifest.json`` with the entry's bytes, conditionally: the commit point (a
+       generation saved meanwhile wins: ``GenerationExists``, the copy is an orphan attempt
+       that retention removes);
+    5. delete the entry.
+
+    Cut short before step 4, G holds an attempt no manifest references: running it again copies
+    again and goes on. After step 4, the entry is left: ``dist-ckpt rm --quarantined`` removes
+    it. Returns G's URL."""
+    generation = entry.generation
+    manifest_rel = f"{generation}/{MANIFEST_NAME}"
+    if store.exists(manifest_rel):
+        raise GenerationExists(f"{generation} already exists under {store.root}")
+    check(EntryView(store, entry))
+    _finish_unlisted(store, generation)
+    raw = read_bounded(store, f"{entry.path}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+    for rel in store.find(entry.path):
+        name = rel.removeprefix(f"{entry.path}/")
+        if name not in (MANIFEST_NAME, REASON_NAME):
+            store.copy(rel, f"{generation}/{name}")
+    staged = StagedView(store, entry)
+    check_sizes(staged, generation, check_structure(staged, generation))
+    try:
+        store.create_exclusive(manifest_rel, raw)
+    except FileExistsError as exc:
+        raise GenerationExists(f"{generation} was saved under {store.root} meanwhile") from exc
+    store.remove_tree(entry.path)
+    log.info("put quarantined %s back as %s", store.url(entry.path), store.url(generation))
+    return store.url(generation)

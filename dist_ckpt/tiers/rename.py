@@ -15,6 +15,8 @@ import functools
 import os
 import shutil
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from .. import faults, logs
 from ..errors import GenerationExists
@@ -25,6 +27,7 @@ from ..format.manifest import (
     STATE_DIR,
     FileEntry,
     Manifest,
+    RejectedEntry,
     check_generation_name,
     check_relative_path,
     is_object_path,
@@ -34,7 +37,7 @@ from ..format.manifest import (
 from ..format.objects import holds_object, install_objects, write_copies
 from ..format.signing import SIGNATURE_NAME, sign
 from ..format.validate import Problem, check_sizes, move_latest
-from ..storage.base import is_remote
+from ..storage.base import StoreReader, is_remote
 from ..storage.directio import durable_file, resolve_direct_io
 from ..storage.local import LocalStore, fsync_dir, write_durable
 from .base import (
@@ -45,7 +48,7 @@ from .base import (
     remove_stale_pending,
     stale_uncommitted,
 )
-from .rejected import move_aside, replace_file
+from .rejected import move_aside, put_back, replace_file
 
 log = logs.get(__name__)
 
@@ -180,6 +183,10 @@ class RenameTier:
         if parse_generation(problem.generation) is None:
             return None
         return move_aside(self.root, problem)
+
+    def put_back(self, entry: RejectedEntry, check: Callable[[StoreReader], Any]) -> str:
+        """One rename back from ``ROOT/rejected/`` (``tiers/rejected.py``)."""
+        return put_back(self.store, entry, check)
 
     def repair_dir(self, generation: str) -> str:
         path = os.path.join(self.root, pending_dir_name(generation, f"repair-{uuid.uuid4().hex[:8]}"))

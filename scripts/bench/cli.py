@@ -14,7 +14,9 @@ from . import baseline, compare_report, jobs, report
 from .compare_methods import ORDER
 from .cpu_profile import format_profile
 from .heartbeat import print_costs
-from .runner import PHASES, run_all
+from .runner import OPT_IN_PHASES, PHASES, run_all
+from .scale import DEFAULT_RANKS
+from .scale import print_table as print_scale_table
 
 USAGE = """The dist_ckpt benchmark: every performance target measured in one run (2 gloo ranks).
 
@@ -25,12 +27,15 @@ Usage (from the repository root):
                                          [--allocator caching|glibc] [--profile-cpu]
                                          [--job full|finetune] [--kind fsdp|ddp] [--no-mirror]
                                          [--baseline PATH] [--write-baseline PATH]
+                                         [--ranks W,...] [--ranks-per-node N] [--items T]
 
 Phases (default: all): saves, restore (needs saves), interference, memory, commit_scale,
 heartbeat (the cost of a progress call with nothing pending), compare (dist_ckpt side by side
 with raw DCP save / async_save / async_save with async staging; with --job finetune: our
 incremental save, our incremental=False save and raw DCP async_save, plus the mirror bytes
-uploaded to a moto S3 server the run starts, and issue 28's targets).
+uploaded to a moto S3 server the run starts, and issue 28's targets). Run only when named:
+scale (the save, idle and restore protocol of --ranks simulated ranks against one real
+TCPStore server; scripts/bench/scale.py says what it does and does not simulate).
 
 The compare phase also prints each median beside its ratio to the stored baseline of the same
 job, kind and size (scripts/bench/baselines/; scripts/bench/baseline.py) and names every cell
@@ -38,6 +43,16 @@ worse than the baseline beyond noise.
 
 Phases and targets: docs/performance.md. Not a test.
 """
+
+SCALE_OPTIONS = (  # the scale phase's numbers: option, type, default, help
+    ("--ranks-per-node", int, 8, "simulated ranks per node"),
+    ("--items", int, 100, "state-dict items per rank"),
+    ("--scale-saves", int, 2, "measured saves per world size"),
+    ("--scale-warmup", int, 1, "saves before the measured ones"),
+    ("--scale-workers", int, 3, "client processes for the ranks other than 0"),
+    ("--scale-budget-s", float, 600.0, "wall-time budget per world size; a case over it is printed "
+                                       "as 'not measured' with what it had done"),
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,12 +95,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-cpu", action="store_true",
                         help="compare: per-thread CPU split (and py-spy stacks if installed) of one "
                              "dist_ckpt async save on rank 0")
+    parser.add_argument("--ranks", default=",".join(str(w) for w in DEFAULT_RANKS),
+                        help="scale: simulated world sizes, comma-separated (default %(default)s)")
+    for name, kind, default, text in SCALE_OPTIONS:
+        parser.add_argument(name, type=kind, default=default, help=f"scale: {text} (default {default:g})")
+    parser.add_argument("--scale-node-local", action="store_true",
+                        help="scale: each node holds its own copy of the root (node copies: every "
+                             "other node's leader reads the manifest); default: one shared root")
     args = parser.parse_args(argv)
     args.phases = parse_phases(parser, "compare" if args.compare else args.phases)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     if args.lost_pairs is not None and args.lost_pairs < 1:
         parser.error("--lost-pairs must be >= 1")
+    try:
+        args.ranks = [int(w) for w in args.ranks.split(",") if w.strip()]
+    except ValueError:
+        parser.error("--ranks: a comma-separated list of world sizes")
+    if not args.ranks or min(args.ranks) < 2 or args.ranks_per_node < 1 or args.items < 1 \
+            or args.scale_saves < 1 or args.scale_workers < 1 or args.scale_warmup < 0:
+        parser.error("--ranks (each >= 2), --ranks-per-node, --items, --scale-saves and "
+                     "--scale-workers must be positive")
     args.state_mib = args.state_mib or (64 if args.quick else 512)
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.repeats < 3 or (args.repeats < 5 and not args.quick):
@@ -96,12 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def parse_phases(parser: argparse.ArgumentParser, text: str) -> list[str]:
     """The selected phases in run order; restore reads the generation the saves phase leaves."""
     wanted = {p.strip() for p in text.split(",") if p.strip()}
-    unknown = wanted - set(PHASES)
+    known = PHASES + OPT_IN_PHASES
+    unknown = wanted - set(known)
     if unknown or not wanted:
-        parser.error(f"--phases: unknown {sorted(unknown)}; choose from {','.join(PHASES)}")
+        parser.error(f"--phases: unknown {sorted(unknown)}; choose from {','.join(known)}")
     if "restore" in wanted:
         wanted.add("saves")
-    return [p for p in PHASES if p in wanted]
+    return [p for p in known if p in wanted]
 
 
 def print_header(args: argparse.Namespace, raw: dict[str, Any], walls: dict[str, float]) -> None:
@@ -136,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {"state_mib": args.state_mib, "repeats": args.repeats, "profile": args.profile,
            "phases": args.phases, "steps": args.steps, "profile_cpu": args.profile_cpu,
            "lost_pairs": args.lost_pairs, "allocator": args.allocator, "job": args.job,
-           "kind": args.kind, "mirror": not args.no_mirror, "restore_cache": args.restore_cache}
+           "kind": args.kind, "mirror": not args.no_mirror, "restore_cache": args.restore_cache,
+           "ranks": args.ranks, "ranks_per_node": args.ranks_per_node, "items": args.items,
+           "scale_saves": args.scale_saves, "scale_warmup": args.scale_warmup,
+           "scale_workers": args.scale_workers,
+           "scale_budget_s": args.scale_budget_s, "scale_node_local": args.scale_node_local}
     started = time.perf_counter()
     walls: dict[str, float] = {}
     base = tempfile.mkdtemp(prefix="bench-", dir=args.dir)
@@ -154,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n---- cProfile: {name} ----\n{text}")
     doc = report.document(raw, cfg, walls, rows, ratio_values)
     doc["command"] = "python -m scripts.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    if "scale_cases" in raw:
+        print_scale_table(raw["scale_cases"])
+        doc["scale"] = raw["scale_cases"]
     if "heartbeat" in raw:
         print_costs(raw["heartbeat"])
         doc["heartbeat_us"] = raw["heartbeat"]

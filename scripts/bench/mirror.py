@@ -79,7 +79,7 @@ def measure_mirror(base: str, bucket: str, rank: int, state: Any, step: Any) -> 
     the last failed upload, if any)."""
     from dist_ckpt import CheckpointConfig, CheckpointManager
     from dist_ckpt.format.manifest import generation_name
-    from dist_ckpt.save.replay import read_mirror_state
+    from dist_ckpt.replay.record import read_mirror_state
 
     out: dict[str, Any] = {}
     for mode, incremental in MODES.items():

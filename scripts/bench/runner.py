@@ -21,9 +21,11 @@ from .mirror import moto_server
 from .restore import phase_restore, rank_reshard
 from .rss import rank_rss
 from .saves import phase_saves
+from .scale import phase_scale
 
 RUN_TIMEOUT_S = 3600
 PHASES = ("saves", "restore", "interference", "memory", "commit_scale", "heartbeat", "compare")
+OPT_IN_PHASES = ("scale",)  # run only when named: simulated ranks against one store (scale.py)
 MAIN_PHASES = ("saves", "restore", "interference")  # one 2-rank job; restore reads what saves left
 
 
@@ -126,4 +128,6 @@ def run_all(cfg: dict[str, Any], base: str, walls: dict[str, float]) -> dict[str
             1, rank_heartbeat, cfg, base, timeout_s=RUN_TIMEOUT_S))[0]
     if "compare" in phases:
         out["compare"] = run_compare(cfg, base, timed_run)
+    if "scale" in phases:
+        out["scale_cases"] = timed_run("scale (simulated ranks, one store)", lambda: phase_scale(cfg))
     return out

@@ -80,3 +80,53 @@ def test_rank0_killed_at_each_commit_point(tmp_path, point: str) -> None:
     # old or new, complete, never a mix: the new one exactly when the rename happened
     assert loaded == (GEN2 if renamed else GEN1)
     assert not [n for n in after if n.startswith(PENDING_PREFIX)]
+
+
+# issue 41: the steps of the node-level protocol (4 ranks, nodes of 2: rank 2 leads the
+# second node). (point, victim, whether generation 2 may commit)
+NODE_STEPS = [
+    ("node.before_forward", 2, False),  # the leader dies holding its node's reports
+    ("node.after_forward", 2, True),  # its node's key is posted: rank 0 may commit
+    ("commit.collected", 0, False),  # rank 0 read every node's key, claimed nothing
+    ("commit.claimed", 0, False),  # rank 0 claimed the commit, published nothing
+]
+
+
+@pytest.mark.parametrize(("point", "victim", "may_commit"), NODE_STEPS, ids=[p[0] for p in NODE_STEPS])
+def test_rank_killed_at_each_node_protocol_step(tmp_path, point: str, victim: int, may_commit: bool) -> None:
+    root = str(tmp_path / "root")
+    ranks = killable.spawn(4, fault_jobs.save_with_a_killed_rank, root, point, victim, DEADLINE_S, 2,
+                           timeout_s=120)
+    ranks.processes[victim].join(120)
+    assert ranks.processes[victim].exitcode == -9
+    if victim == 0:
+        for rank in (1, 2, 3):  # rank 0 is gone: the job would be restarted whole
+            ranks.kill(rank)
+        ranks.join(timeout_s=30)
+        committed = False
+    else:
+        outcomes = ranks.join(timeout_s=150)
+        survivors = [outcomes[r].result for r in (0, 1, 3)]
+        assert all(s is not None for s in survivors), [outcomes[r].exitcode for r in (0, 1, 3)]
+        # one verdict: every survivor recorded the same outcome
+        assert len({s["committed"] for s in survivors}) == 1, survivors
+        committed = survivors[0]["committed"]
+        assert committed == may_commit or not committed, survivors
+        assert all(s["held_s"] < DEADLINE_S + 30.0 for s in survivors), survivors
+    loaded, after = restart(root)
+    assert loaded == (GEN2 if committed else GEN1)
+    assert not [n for n in after if n.startswith(PENDING_PREFIX)]
+    if not committed:
+        assert GEN2 not in after
+
+
+@pytest.mark.parametrize("claim_first", [False, True], ids=["abandoned-first", "claimed-first"])
+def test_a_publish_outlasting_the_deadline_has_one_verdict(tmp_path, claim_first: bool) -> None:
+    """Issue 41: a leader that stops waiting for rank 0 cannot record as failed what rank 0
+    then commits: whoever claims the outcome first decides it for every rank."""
+    root = str(tmp_path / "root")
+    ranks = run_ranks(2, fault_jobs.publish_outlasting_the_deadline, root, str(tmp_path / "faults"),
+                      claim_first, timeout_s=120)
+    assert [r["committed"] for r in ranks] == [claim_first, claim_first], ranks
+    assert read_latest_name(open_tier(root).store) == (GEN2 if claim_first else GEN1)
+    assert (GEN2 in os.listdir(root)) == claim_first

@@ -7,7 +7,7 @@ import json
 import signal
 
 from dist_ckpt import CheckpointConfig, CheckpointManager
-from dist_ckpt.save.replay import read_mirror_state
+from dist_ckpt.replay.record import read_mirror_state
 from dist_ckpt.storage.objectstore import ObjectStore
 from tests.helpers.local_jobs import make_state
 from tests.helpers.mirror_runs import FILES_PER_GENERATION, remote_states, run_job

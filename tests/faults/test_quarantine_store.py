@@ -14,7 +14,7 @@ from dist_ckpt.cli.app import main as cli
 from dist_ckpt.format.inventory import inspect_generation
 from dist_ckpt.format.manifest import MANIFEST_NAME, REASON_NAME, REJECTED_DIR, REJECTED_MARKER_PREFIX
 from dist_ckpt.format.validate import Problem, validate
-from dist_ckpt.lifecycle.retention import plan_prune
+from dist_ckpt.lifecycle.retention import list_removals
 from dist_ckpt.storage.objectstore import ObjectStore
 from dist_ckpt.tiers import open_tier
 from dist_ckpt.tiers.rejected_store import mark_and_move
@@ -103,7 +103,7 @@ def test_marked_generation_is_kept_by_retention_and_finished_by_the_cli(
         mark_and_move(store, Problem(GEN1, "operator"))
     faults.configure(None)
     tier = open_tier(s3_gens.url)
-    assert GEN1 not in plan_prune(tier, keep_last=None).incomplete
+    assert GEN1 not in list_removals(tier, keep_last=None).incomplete
     assert cli(["quarantine", s3_gens.url, GEN1]) == 0
     [entry] = s3_gens.rejected_entries()
     assert f"moved {GEN1} aside to {s3_gens.url}/{REJECTED_DIR}/{entry}" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 tests/test_incremental_prune.py): a fine-tuning job (``tests.helpers.finetune_jobs``: frozen
 ``base1``/``base2``, each weight a shared object) run in this process at world size 1.
 
-``build(root, plan)`` saves one generation per entry of ``plan`` (its update number; a
+``build(root, saves)`` saves one generation per entry of ``saves`` (its update number; a
 negative one changes ``base1`` in place first, so that save writes a new object for it and
 reuses ``base2``'s); it returns each generation's model tensors. ``object_refs`` reads which
 objects each manifest lists; ``check_committed`` validates, with digests, every generation the
@@ -35,14 +35,14 @@ def change_base(job: Job) -> None:
         job.inner.base1.weight.add_(1.0)
 
 
-def build(root: str, plan: list[int], job: Job | None = None, **config: Any) -> dict[str, Tensors]:
-    """Save ``abs(u)`` for each ``u`` of ``plan`` in one job (one ledger: later saves reuse
+def build(root: str, saves: list[int], job: Job | None = None, **config: Any) -> dict[str, Tensors]:
+    """Save ``abs(u)`` for each ``u`` of ``saves`` in one job (one ledger: later saves reuse
     the unchanged base); ``u < 0`` changes ``base1`` in place before that save. Returns
     generation name -> the model tensors it holds."""
     job = job or Job("plain", 0, 1)
     saved: dict[str, Tensors] = {}
     with manager(job, root, **config) as mgr:
-        for update in plan:
+        for update in saves:
             job.step()
             if update < 0:
                 change_base(job)

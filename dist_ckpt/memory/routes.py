@@ -1,8 +1,8 @@
-"""The restore-time exchange of the memory tier, planned: which node sends which file to which.
+"""The restore-time exchange of the memory tier, routed: which node sends which file to which.
 
 Every node leader contributes its inventory (``inventory``: its newest in-memory generations
 and replicas, with the files each holds). Rank 0 chooses, from all of them, the newest
-generation every node can complete (``plan_exchange``), and the transfers that complete it:
+generation every node can complete (``route_exchange``), and the transfers that complete it:
 
 - into a node's memory copy: the files of its own ranks and the common files it lacks
   (``.metadata``, the global train state; the manifest signature on rank 0's node);
@@ -12,7 +12,7 @@ generation every node can complete (``plan_exchange``), and the transfers that c
   generation's ``.metadata``, read only once its digest matched the manifest.
 
 Each transfer names one source holding the file under the same manifest (bytes identical or
-refused at arrival), spread over the holders. Pure functions: ``memory/exchange.py`` runs a plan.
+refused at arrival), spread over the holders. Pure functions: ``memory/exchange.py`` runs the routes.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Transfer:
 
 
 @dataclass(frozen=True)
-class ExchangePlan:
+class ExchangeRoutes:
     generation: str
     manifest: str
     transfers: list[Transfer]
@@ -104,9 +104,9 @@ def shared_files(directory: str, generation: str, manifest_raw: str) -> list[str
                    if index.fqn in once})
 
 
-def plan_exchange(held: dict[int, Inventory], leaders: list[int], members: dict[int, set[int]],
-                  world_size: int) -> ExchangePlan | None:
-    """Rank 0: the plan for the newest generation every node can complete; None when
+def route_exchange(held: dict[int, Inventory], leaders: list[int], members: dict[int, set[int]],
+                   world_size: int) -> ExchangeRoutes | None:
+    """Rank 0: the routes for the newest generation every node can complete; None when
     nothing needs sending or nothing can be completed."""
     names = {n for h in held.values() for root in h.values() for n in root}
     for name in sorted(names, key=parse_generation, reverse=True):
@@ -123,7 +123,7 @@ def plan_exchange(held: dict[int, Inventory], leaders: list[int], members: dict[
                 for rank, root, c in copies if c.manifest == manifest_raw]
         transfers = _transfers(name, manifest, manifest_raw, same, held, leaders, members)
         if transfers is not None:
-            return ExchangePlan(name, manifest_raw, transfers) if transfers else None
+            return ExchangeRoutes(name, manifest_raw, transfers) if transfers else None
     return None
 
 

@@ -1,26 +1,31 @@
 """Replay: every rank copies its files of a committed generation from a source tier into a
-destination tier, and rank 0 publishes it there. Each replay has a channel, which scopes its
-store keys and fault points: ``persist`` (the memory tier into the root, ``memory/runner.py``)
-and ``mirror`` (the root into ``config.mirror``). With both, they run chained
-(``lifecycle/replication.py``): a generation the persist channel completed is enqueued to the
-mirror channel. Below, "mirror" stands for whichever destination.
+destination tier, and rank 0 publishes it there. Each replay has a channel
+(``replay/channels.py``), which scopes its store keys, fault points, settings and record:
+``persist`` (the memory tier into the root, ``memory/runner.py``) and ``mirror`` (the root
+into ``config.mirror``). With both, they run chained (``lifecycle/replication.py``): a
+generation the persist channel completed is enqueued to the mirror channel.
 
 Protocol (one replay thread per rank and channel; coordination only through the c10d store):
 1. ``enqueue`` (rank 0, after a local commit or the previous channel's completion): the
    generation joins a bounded queue; when the queue is full the oldest waiting generation is
-   skipped (policy: keep the newest) and recorded as skipped in ``mirror.json``.
-2. rank 0's replay thread announces the next generation to upload (a ``MirrorAnnouncement``
-   under ``replay_seq_key(channel, n)``); every rank's replay thread (all ranks, in sequence
-   order) waits until its own copy is in place (``local_committed``; not for a chained channel,
-   whose source rank 0 completed before announcing), replays its own files of that committed
-   generation into the destination (``CommitTier.begin`` with ``source_dir``, then
-   ``put_files``: hashed as copied, or uploaded and verified) and posts a ``MirrorReport``
-   under ``replay_report_key(channel, n, rank)``. Fault point ``<channel>.upload``.
+   skipped (policy: keep the newest) and recorded as skipped in the channel's record
+   (``replay/record.py``).
+2. rank 0's replay thread announces the next generation to copy (a ``ReplayAnnouncement``:
+   the name and the manifest's sha256, under ``replay_seq_key(channel, n)``) and rings the
+   job's bell (``protocol/node.py``); every other rank's replay thread, idle, reads only its
+   node's bell and checks the store once per ring. Each (all ranks, in sequence order) waits
+   until its own copy is in place (``local_committed``; not for a chained channel, whose
+   source rank 0 completed before announcing), reads the manifest from its source tier and
+   checks its digest, replays its own files of that committed generation into the
+   destination (``CommitTier.begin`` with ``source_dir``, then ``put_files``: hashed as
+   copied, or uploaded and verified) and reports a ``ReplayReport`` through its node leader
+   (``protocol/gather.py``, scope ``replay_scope(channel, n)``). Fault point
+   ``<channel>.upload``.
    A shared object of an incremental generation (``objects/<name>``, in the source's
    ``objects/``) is copied or uploaded by the rank that wrote it, to the destination's own
    ``objects/`` (through the pending directory of a rename tier), and only when the destination
    lacks it: each object crosses once, whatever number of generations reference it.
-3. rank 0, once every rank reported within ``mirror_timeout_s`` (fault point
+3. rank 0, once every rank reported within the channel's timeout (fault point
    ``<channel>.before_publish``), checks that the destination holds every shared object the
    manifest lists (a missing one fails the replay: a generation is never published, nor
    recorded as completed, before every byte it references is there), then publishes the
@@ -34,8 +39,8 @@ Protocol (one replay thread per rank and channel; coordination only through the 
    (``common_files.install``), publishes that copy (its ranks' files, the common files and
    the manifest; fault point ``<channel>.node_copy``) and reports under ``replay_copy_key``;
    rank 0 waits for every leader's report within the same deadline, then withdraws the offer.
-4. rank 0 records the generation as the last completed one in the source's ``mirror.json``
-   and calls ``on_completed`` (the chain's next channel). An enqueued, half-copied or
+4. rank 0 records the generation as the last completed one in the channel's record under
+   the source and calls ``on_completed`` (the chain's next channel). An enqueued, half-copied or
    partly published generation is never recorded as completed. Rank 0 then deletes that
    sequence's store keys.
 
@@ -47,7 +52,7 @@ so the leader of a node without rank 0 never prunes a generation a replay still 
 from __future__ import annotations
 
 import contextlib
-import json
+import hashlib
 import os
 import threading
 import time
@@ -59,21 +64,21 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .. import faults, logs
-from ..errors import DistCkptError, StorageError
-from ..format.manifest import Manifest
+from ..errors import DistCkptError
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.objects import holds_object
-from ..protocol import messages
+from ..protocol import gather, messages
 from ..protocol.comm import Comm
-from ..protocol.messages import MirrorAnnouncement, MirrorReport
-from ..storage.base import StoreReader, open_store
-from ..storage.local import atomic_write
+from ..protocol.messages import Collected, ReplayAnnouncement, ReplayReport
+from ..save.priority import lower_thread_priority
+from ..storage.base import open_store
 from ..tiers.base import CommitTier
 from ..tiers.placement import RootGroups
 from . import common_files
-from .priority import lower_thread_priority
+from .channels import channel as channel_spec
+from .record import update_record
 
 log = logs.get(__name__)
-MIRROR_STATE = "mirror.json"
 
 
 @dataclass
@@ -86,24 +91,16 @@ class ReplayStats:
     max_uploading: int = 0
 
 
-def read_mirror_state(root: str | StoreReader) -> dict:
-    """The local root's record of mirror uploads; empty where there is none (or unreadable)."""
-    store = open_store(root) if isinstance(root, str) else root
-    try:
-        return json.loads(store.read_bytes(MIRROR_STATE))
-    except (FileNotFoundError, StorageError, ValueError):
-        return {}
-
-
 class Replayer:
     """One per rank; ``enqueue`` is called on rank 0 only, ``close`` on every rank."""
 
     def __init__(self, comm: Comm, source: CommitTier, destination: CommitTier, *, queue_length: int,
                  timeout_s: float, signing_key: bytes | None = None,
                  prune_destination: Callable[[], object] | None = None, nice: int = 10,
-                 channel: str = "mirror", chained: bool = False,
+                 channel: str, chained: bool = False,
                  groups: RootGroups | None = None) -> None:
         self.channel = channel
+        self.timeout_name = channel_spec(channel).timeout  # named in the failures it explains
         # chained: the source holds each announced generation complete already (rank 0
         # announces only what the previous channel completed), so no rank waits for its copy
         self.chained = chained
@@ -114,7 +111,7 @@ class Replayer:
         self.nice = nice  # the replay thread's priority drop (config background_nice)
         self.prune_destination = prune_destination  # rank 0, after each completed replay
         self.signing_key = signing_key
-        self.on_settled: Callable[[], None] | None = None  # rank 0: after each upload settles
+        self.on_settled: Callable[[], None] | None = None  # rank 0: after each replay settles
         # rank 0: held around the objects' check and the publish; the lock of the destination's
         # retention when another thread prunes it (lifecycle/replication.py)
         self.publish_lock: AbstractContextManager[object] = contextlib.nullcontext()
@@ -143,18 +140,18 @@ class Replayer:
             while len(self._queue) > self.queue_length:
                 skipped, _ = self._queue.popleft()
                 self.stats.skipped.append(skipped)
-                log.warning("mirror behind: skipping upload of %s (keeping the newest)", skipped)
+                log.warning("%s behind: skipping %s (keeping the newest)", self.channel, skipped)
                 self._record(skipped=skipped)
             self.stats.max_queue = max(self.stats.max_queue, len(self._queue))
             self._publish_pinned()
             self._cond.notify_all()
 
     def _publish_pinned(self) -> None:
-        # caller holds self._cond; generations still to upload, for followers' retention
+        # caller holds self._cond; generations still to copy, for followers' retention
         names = {g for g, _ in self._queue} | ({self._active} if self._active else set())
         try:
             self.comm.publish_names(messages.replay_pinned_key(self.channel), names)
-        except Exception:  # noqa: BLE001 - followers keep their last view; uploads go on
+        except Exception:  # noqa: BLE001 - followers keep their last view; replays go on
             log.exception("could not publish the %s replay's pinned generations", self.channel)
 
     # ---- all ranks ---------------------------------------------------------------------
@@ -177,7 +174,7 @@ class Replayer:
         return True
 
     def pending(self) -> set[str]:
-        """Generations queued or being uploaded (by any rank): local retention keeps them."""
+        """Generations queued or being copied (by any rank): local retention keeps them."""
         with self._cond:
             mine = {g for g, _ in self._queue} | ({self._active} if self._active else set())
         if self.comm.rank == 0:
@@ -201,16 +198,17 @@ class Replayer:
         while True:
             self._seq += 1
             seq_key = messages.replay_seq_key(self.channel, self._seq)
+            manifest_raw: bytes | None = None
             if self.comm.rank == 0:
                 item = self._next()
-                announce = MirrorAnnouncement.stop_message() if item is None else \
-                    MirrorAnnouncement(item[0], item[1].decode("utf-8"))
+                announce = ReplayAnnouncement.stop_message() if item is None else \
+                    ReplayAnnouncement(item[0], hashlib.sha256(item[1]).hexdigest())
                 messages.post(self.comm, seq_key, announce)
+                self.comm.node.ring()
+                manifest_raw = item[1] if item is not None else None
             else:  # follow rank 0's sequence until it announces the stop
                 try:
-                    while self.comm.store_wait([seq_key], 5.0):
-                        pass
-                    announce = messages.decode(MirrorAnnouncement, self.comm.store_get(seq_key))
+                    announce = self._await_announcement(seq_key)
                 except dist.DistError as exc:  # the job's store ended with rank 0's side
                     log.warning("%s: the store is gone, no further %s on this rank (%s)",
                                 self.channel, self.channel, exc)
@@ -220,7 +218,7 @@ class Replayer:
             with self._cond:
                 self._active = announce.generation
             try:
-                self._replicate(announce.generation, announce.manifest.encode("utf-8"))
+                self._replicate(announce, manifest_raw)
             finally:
                 with self._cond:
                     self._active = None
@@ -228,42 +226,69 @@ class Replayer:
                         self._publish_pinned()
                     self._cond.notify_all()
 
-    def _replicate(self, generation: str, manifest_raw: bytes) -> None:
-        manifest = Manifest.model_validate_json(manifest_raw)
+    def _await_announcement(self, seq_key: str) -> ReplayAnnouncement:
+        """A follower: the next announcement. Idle, it reads only the node's bell (a file the
+        node's one watcher keeps, ``protocol/node.py``) and asks the store once per ring."""
+        bell = self.comm.node.bell
+        seen = bell.value()
+        while not self.comm.store.check([seq_key]):
+            seen = bell.wait(seen, 5.0)
+        return messages.decode(ReplayAnnouncement, self.comm.store_get(seq_key))
+
+    def _manifest(self, announce: ReplayAnnouncement) -> bytes:
+        """A follower: the announced generation's manifest, read from this rank's source tier
+        (its copy is in place: ``_wait_local``) and checked against the announced digest."""
+        manifest_raw = self.source.store.read_bytes(f"{announce.generation}/{MANIFEST_NAME}")
+        if hashlib.sha256(manifest_raw).hexdigest() != announce.manifest_sha256:
+            raise DistCkptError(f"the source's manifest of {announce.generation} is not the one "
+                                "rank 0 announced")
+        return manifest_raw
+
+    def _replicate(self, announce: ReplayAnnouncement, manifest_raw: bytes | None) -> None:
+        generation = announce.generation
         attempt = self.destination.begin(generation, f"{self.comm.session}-{self._seq}",
                                     source_dir=os.path.join(self.local_root, generation))
         with self._cond:
             self._uploading += 1
             self.stats.max_uploading = max(self.stats.max_uploading, self._uploading)
+        # rank 0 holds the manifest it enqueued; the others read theirs once their copy is in place
+        manifest = Manifest.model_validate_json(manifest_raw) if manifest_raw is not None else None
         try:
             if not self.chained and not self._wait_local(generation):
                 raise DistCkptError(f"{generation} never completed locally on this rank")
+            if manifest is None:
+                manifest_raw = self._manifest(announce)
+                manifest = Manifest.model_validate_json(manifest_raw)
             faults.hit(f"{self.channel}.upload", self.comm.rank)
             # the writer's form: an entry carries only its own algorithm's digest
             attempt.put_files([f.model_dump(exclude_none=True) for f in manifest.files
                                if f.rank == self.comm.rank])
-            report = MirrorReport(True)
-        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the upload
-            report = MirrorReport(False, f"{type(exc).__name__}: {exc}")
+            report = ReplayReport(True)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the replay
+            report = ReplayReport(False, f"{type(exc).__name__}: {exc}")
         finally:
             with self._cond:
                 self._uploading -= 1
-        messages.post(self.comm, messages.replay_report_key(self.channel, self._seq, self.comm.rank), report)
+        raw, scope = messages.encode(report), messages.replay_scope(self.channel, self._seq)
         if self.comm.rank == 0:
-            self._commit(attempt, manifest)
-        elif self.groups is not None and self.groups.copies_by(self.comm.rank):
+            assert manifest is not None  # rank 0 holds the manifest it enqueued
+            found, _ = gather.gather(self.comm, scope, raw, time.monotonic() + self.timeout_s)
+            self._commit(attempt, manifest, found)
+            return
+        if self.comm.node.is_leader:
+            gather.forward(self.comm, scope, raw, time.monotonic() + self.timeout_s)
+        else:
+            gather.post(self.comm, scope, raw)
+        if self.groups is not None and self.groups.copies_by(self.comm.rank) and manifest_raw is not None:
             self._node_copy(attempt, manifest_raw)
 
-    def _commit(self, attempt, manifest: Manifest) -> None:
+    def _commit(self, attempt, manifest: Manifest, found: Collected) -> None:
         generation = attempt.generation
-        keys = {r: messages.replay_report_key(self.channel, self._seq, r)
-                for r in range(self.comm.world_size)}
-        found = messages.collect(self.comm, keys, time.monotonic() + self.timeout_s)
-        errors = {keys[r]: "no report before mirror_timeout_s" for r in found.missing}
+        errors = {f"rank {r}": f"no report before {self.timeout_name}" for r in found.missing}
         for rank, raw in found.received.items():
-            report = messages.decode(MirrorReport, raw)
+            report = messages.decode(ReplayReport, raw)
             if not report.ok:
-                errors[keys[rank]] = str(report.error)
+                errors[f"rank {rank}"] = str(report.error)
         if not found.missing:  # every rank read the announcement: nobody reads it again
             try:
                 self.comm.store.delete_key(messages.replay_seq_key(self.channel, self._seq))
@@ -326,7 +351,7 @@ class Replayer:
     def _post_outcome(self, ok: bool, error: str | None = None) -> None:
         if self.groups is not None:  # rank 0: the other nodes' leaders wait for it
             key = messages.replay_outcome_key(self.channel, self._seq)
-            messages.post(self.comm, key, MirrorReport(ok, error))
+            messages.post(self.comm, key, ReplayReport(ok, error))
 
     def _offer_common(self, manifest: Manifest) -> list[str]:
         """Rank 0, after publishing: the common files for the other nodes' copies."""
@@ -343,9 +368,9 @@ class Replayer:
         leaders = [r for r in self.groups.leaders if r != 0]
         keys = {r: messages.replay_copy_key(self.channel, self._seq, r) for r in leaders}
         found = messages.collect(self.comm, keys, time.monotonic() + self.timeout_s)
-        errors = {r: "no node copy before mirror_timeout_s" for r in found.missing}
+        errors = {r: f"no node copy before {self.timeout_name}" for r in found.missing}
         for rank, raw in found.received.items():
-            report = messages.decode(MirrorReport, raw)
+            report = messages.decode(ReplayReport, raw)
             if not report.ok:
                 errors[rank] = str(report.error)
         if not found.missing:
@@ -356,10 +381,10 @@ class Replayer:
     def _node_copy(self, attempt, manifest_raw: bytes) -> None:
         """The leader of a group without rank 0: once rank 0 published, this node's copy."""
         key = messages.replay_outcome_key(self.channel, self._seq)
-        report = MirrorReport(False, "rank 0 published no outcome before mirror_timeout_s")
+        report = ReplayReport(False, f"rank 0 published no outcome before {self.timeout_name}")
         try:
             if not self.comm.store_wait([key], self.timeout_s + 30.0):
-                outcome = messages.decode(MirrorReport, self.comm.store_get(key))
+                outcome = messages.decode(ReplayReport, self.comm.store_get(key))
                 if not outcome.ok:  # rank 0 waits for no copy of a generation it did not publish
                     attempt.abandon()
                     return
@@ -368,9 +393,9 @@ class Replayer:
                                      os.path.join(self.local_root, attempt.generation), attempt.local_dir)
                 faults.hit(f"{self.channel}.node_copy", self.comm.rank)
                 attempt.publish_copy(manifest_raw)
-                report = MirrorReport(True)
+                report = ReplayReport(True)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the replay
-            report = MirrorReport(False, f"{type(exc).__name__}: {exc}")
+            report = ReplayReport(False, f"{type(exc).__name__}: {exc}")
         if not report.ok:
             attempt.abandon()
             log.error("%s replay: no node copy of %s: %s", self.channel, attempt.generation, report.error)
@@ -386,26 +411,16 @@ class Replayer:
             return
         try:
             self.prune_destination()
-        except Exception:  # noqa: BLE001 - retention must never fail an upload or training
-            log.exception("mirror retention pass failed")
+        except Exception:  # noqa: BLE001 - retention must never fail a replay or training
+            log.exception("%s: the destination's retention pass failed", self.channel)
 
     def _record(self, *, completed: Manifest | None = None, skipped: str | None = None,
                 failed: str | None = None, reason: str | None = None) -> None:
-        state = read_mirror_state(self.source.store)
-        state["mirror"] = self.destination.url
-        if completed is not None:
-            state["last_completed"] = completed.generation
-            state["last_completed_update"] = completed.next_update
-            state["completed_unix"] = time.time()
-        for key, name in (("skipped", skipped), ("failed", failed)):
-            if name is not None:
-                state[key] = (state.get(key, []) + [name])[-100:]
-        if failed is not None:
-            state["last_failure"] = {"generation": failed, "reason": reason}
-        atomic_write(os.path.join(self.local_root, MIRROR_STATE), json.dumps(state, indent=1).encode())
+        update_record(self.source.store, self.local_root, self.channel, self.destination.url,
+                      completed=completed, skipped=skipped, failed=failed, reason=reason)
 
     def drain(self, timeout_s: float) -> bool:
-        """Rank 0: wait until the queue is empty and nothing uploads; False on timeout."""
+        """Rank 0: wait until the queue is empty and nothing is copied; False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._queue or self._active:

@@ -3,7 +3,7 @@ own ranks' files.
 
 DCP's ``.metadata`` and the global train state (``COMMON_FILES``) are written by rank 0 alone,
 so only rank 0's node holds them in memory; a replay with node copies (node-local roots,
-``save/replay.py``) would leave every other node's copy without them. Rank 0 offers their
+``replay/replayer.py``) would leave every other node's copy without them. Rank 0 offers their
 bytes through the c10d store, the channel the replay already coordinates through; they are
 small (metadata, not tensors), and above ``COMMON_BYTES_LIMIT`` in total nothing is offered
 (logged): the other nodes' copies then hold the common files only where their own memory does.
@@ -12,7 +12,7 @@ Call order, in one sequence ``seq`` of a replay channel with node copies:
 
 1. rank 0, after it published its copy and before it posts the outcome: :func:`offer` puts
    each common file's bytes under ``replay_common_key(channel, seq, G, path)``, then the offer
-   (:class:`MirrorReport`: ``ok`` when the bytes are there, else why not) under
+   (:class:`ReplayReport`: ``ok`` when the bytes are there, else why not) under
    ``replay_common_key(channel, seq, G)``;
 2. the leader of every other node, after an ok outcome and before it publishes its copy:
    :func:`install` puts each common file into its pending copy, from its node's memory copy
@@ -34,7 +34,7 @@ from ..format.manifest import COMMON_FILES, FileEntry, Manifest
 from ..format.validate import check_entry
 from ..protocol import messages
 from ..protocol.comm import Comm
-from ..protocol.messages import MirrorReport
+from ..protocol.messages import ReplayReport
 from ..storage.local import open_regular, write_durable
 
 log = logs.get(__name__)
@@ -69,7 +69,7 @@ def offer(comm: Comm, channel: str, seq: int, manifest: Manifest, read, *,
         log.warning("%s replay of %s: %s; other nodes' copies hold them only where their "
                     "memory does", channel, generation, reason)
     index = messages.replay_common_key(channel, seq, generation)
-    messages.post(comm, index, MirrorReport(reason is None, reason))
+    messages.post(comm, index, ReplayReport(reason is None, reason))
     return [*keys, index]
 
 
@@ -87,7 +87,7 @@ def install(comm: Comm, channel: str, seq: int, manifest: Manifest, source_dir: 
     """A leader without rank 0: every common file into ``target_dir`` (this node's pending
     copy), verified; returns why each file left out is missing (empty: all there)."""
     generation = manifest.generation
-    offered: MirrorReport | None = None
+    offered: ReplayReport | None = None
     missing: list[str] = []
     for entry in common_entries(manifest):
         target = os.path.join(target_dir, entry.path)
@@ -116,11 +116,11 @@ def install(comm: Comm, channel: str, seq: int, manifest: Manifest, source_dir: 
     return missing
 
 
-def _read_offer(comm: Comm, channel: str, seq: int, generation: str) -> MirrorReport:
+def _read_offer(comm: Comm, channel: str, seq: int, generation: str) -> ReplayReport:
     key = messages.replay_common_key(channel, seq, generation)
     if comm.store_wait([key], 0.0):  # rank 0 offers before it posts the outcome: never late
-        return MirrorReport(False, "no offer in the store")
-    return messages.decode(MirrorReport, comm.store_get(key))
+        return ReplayReport(False, "no offer in the store")
+    return messages.decode(ReplayReport, comm.store_get(key))
 
 
 def _read_local(path: str, entry: FileEntry) -> bytes | None:

@@ -1,6 +1,7 @@
-"""``dist-ckpt plan``: how often to save (T* = sqrt(2 C M)), the time lost, the disk needed and
-per-tier figures, from recorded save costs and the launcher's step times (the estimate itself
-is ``costs.py``; the model ``save/cadence.py``)."""
+"""``dist-ckpt plan``, a forecast: how often to save (T* = sqrt(2 C M)), the time lost, the disk
+needed and per-tier figures, from recorded save costs and the launcher's step times (the
+estimate itself is ``costs.py``; the model ``save/cadence.py``). The command keeps its public
+name; inside the code "plan" is DCP's save plan only, so this module says "forecast"."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .costs import (
     step_time_from_log,
 )
 
-PLAN_EPILOG = f"""\
+FORECAST_EPILOG = f"""\
 defaults and where they come from:
   --save-cost   median save_duration_s of the committed generations' manifests under ROOT
   --step-time   sum(duration_s) / sum(updates) of {LAUNCH_LOG_NAME} in ROOT or ROOT/../..
@@ -66,7 +67,7 @@ def byte_count_arg(text: str) -> int:
     return int(value)
 
 
-def plan_save_cost(given: float | None, committed: list[Manifest], root: str) -> tuple[float, str]:
+def save_cost_input(given: float | None, committed: list[Manifest], root: str) -> tuple[float, str]:
     if given is not None:
         return given, "--save-cost"
     found = median_save_cost(m.save_duration_s for m in committed)
@@ -76,7 +77,7 @@ def plan_save_cost(given: float | None, committed: list[Manifest], root: str) ->
     return found[0], f"median of {found[1]} recorded saves"
 
 
-def plan_step_time(given: float | None, root: str) -> tuple[float | None, str]:
+def step_time_input(given: float | None, root: str) -> tuple[float | None, str]:
     if given is not None:
         return given, "--step-time"
     for directory in launch_log_dirs(root):
@@ -92,7 +93,7 @@ def plan_step_time(given: float | None, root: str) -> tuple[float | None, str]:
                   "records it)")
 
 
-def plan_generation(given_bytes: int | None, newest: Manifest | None) -> tuple[int | None, str]:
+def generation_input(given_bytes: int | None, newest: Manifest | None) -> tuple[int | None, str]:
     if given_bytes is not None:
         return given_bytes, "--generation-bytes"
     if newest is None:
@@ -100,7 +101,7 @@ def plan_generation(given_bytes: int | None, newest: Manifest | None) -> tuple[i
     return newest.total_bytes, f"newest committed generation {newest.generation}"
 
 
-def plan_shared_bytes(given_bytes: int | None, newest: Manifest | None) -> int:
+def shared_bytes_input(given_bytes: int | None, newest: Manifest | None) -> int:
     """The newest generation's shared objects (stored once however many generations are kept);
     none when the size is given on the command line."""
     if given_bytes is not None or newest is None:
@@ -125,9 +126,9 @@ def build_estimate(args: argparse.Namespace, backend: Store) -> CostEstimate:
                         if i.state == "committed" and i.manifest),
                        key=lambda manifest: manifest.next_update, reverse=True)
     newest = committed[0] if committed else None
-    save_cost, save_cost_src = plan_save_cost(args.save_cost, committed, backend.root)
-    step_time, step_time_src = plan_step_time(args.step_time, args.root)
-    size, size_src = plan_generation(args.generation_bytes, newest)
+    save_cost, save_cost_src = save_cost_input(args.save_cost, committed, backend.root)
+    step_time, step_time_src = step_time_input(args.step_time, args.root)
+    size, size_src = generation_input(args.generation_bytes, newest)
     sources = {
         "save_cost_s": save_cost_src, "step_time_s": step_time_src, "generation_bytes": size_src,
         "mtbf_s": "--mtbf" if args.mtbf is not None else "default 4h",
@@ -143,7 +144,7 @@ def build_estimate(args: argparse.Namespace, backend: Store) -> CostEstimate:
             generation_bytes=size, files_per_generation=None if newest is None else len(newest.files) + 1,
             keep_last=keep_last, keep_every=args.keep_every,
             prices=read_tiers_file(args.tiers), sources=sources,
-            shared_bytes=plan_shared_bytes(args.generation_bytes, newest),
+            shared_bytes=shared_bytes_input(args.generation_bytes, newest),
             shared_files=0 if newest is None else len(newest.objects))
 
     try:
@@ -162,7 +163,7 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.3g} s"
 
 
-def plan_head_lines(estimate: CostEstimate) -> list[str]:
+def head_lines(estimate: CostEstimate) -> list[str]:
     src = estimate.sources
     step = "-" if estimate.step_time_s is None else f"{estimate.step_time_s:.4g} s"
     updates = f" = {estimate.interval_updates} updates" if estimate.interval_updates is not None else \
@@ -189,7 +190,7 @@ def milestone_line(estimate: CostEstimate) -> str:
             f"{estimate.run_updates} updates (assumes a save lands on each)")
 
 
-def plan_disk_lines(estimate: CostEstimate) -> list[str]:
+def disk_lines(estimate: CostEstimate) -> list[str]:
     if estimate.generation_bytes is None or estimate.disk_bytes is None:
         return [f"disk needed      {estimate.sources['generation_bytes']}"]
     size, src = human_bytes(estimate.generation_bytes), estimate.sources
@@ -243,7 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"root": backend.root, **asdict(estimate)}, indent=1))
         return 0
-    lines = [f"cadence plan for {backend.root}", *plan_head_lines(estimate), *plan_disk_lines(estimate)]
+    lines = [f"cadence plan for {backend.root}", *head_lines(estimate), *disk_lines(estimate)]
     for price in estimate.tiers:
         lines += price_lines(price, estimate)
     lines += [f"note: {note}" for note in estimate.notes]
@@ -252,25 +253,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
-    plan = sub.add_parser("plan", help="how often to save, the time lost, the disk and tier costs",
-                          description="Young's checkpoint interval T* = sqrt(2 C M), the expected "
-                          "time lost at T*,\nthe disk needed under ROOT and per-tier figures.",
-                          epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    plan.set_defaults(func=cmd_plan)
-    plan.add_argument("--mtbf", type=duration_arg, default=None, metavar="DUR",
-                      help="mean time between failures of the job (default 4h)")
-    plan.add_argument("--save-cost", type=duration_arg, default=None, metavar="DUR",
-                      help="time training stalls per save, C (default: median recorded under ROOT)")
-    plan.add_argument("--step-time", type=duration_arg, default=None, metavar="DUR",
-                      help=f"seconds per update (default: from the launcher's {LAUNCH_LOG_NAME})")
-    plan.add_argument("--run-length", type=duration_arg, default=None, metavar="DUR",
-                      help="wall time of the whole run (default 30d)")
-    plan.add_argument("--keep-last", type=int, default=None, metavar="K",
-                      help="newest generations kept by pruning (default: every generation of the run, "
-                           "as the library keeps them without keep_last)")
-    plan.add_argument("--keep-every", type=int, default=None, metavar="N",
-                      help="milestones kept: update numbers that are multiples of N")
-    plan.add_argument("--generation-bytes", type=byte_count_arg, default=None, metavar="BYTES",
-                      help="size of one generation (default: the newest committed one)")
-    plan.add_argument("--tiers", default=None, metavar="FILE", help="JSON file of per-tier rates (below)")
-    return plan
+    parser = sub.add_parser("plan", help="how often to save, the time lost, the disk and tier costs",
+                            description="Young's checkpoint interval T* = sqrt(2 C M), the expected "
+                            "time lost at T*,\nthe disk needed under ROOT and per-tier figures.",
+                            epilog=FORECAST_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(func=cmd_plan)
+    parser.add_argument("--mtbf", type=duration_arg, default=None, metavar="DUR",
+                        help="mean time between failures of the job (default 4h)")
+    parser.add_argument("--save-cost", type=duration_arg, default=None, metavar="DUR",
+                        help="time training stalls per save, C (default: median recorded under ROOT)")
+    parser.add_argument("--step-time", type=duration_arg, default=None, metavar="DUR",
+                        help=f"seconds per update (default: from the launcher's {LAUNCH_LOG_NAME})")
+    parser.add_argument("--run-length", type=duration_arg, default=None, metavar="DUR",
+                        help="wall time of the whole run (default 30d)")
+    parser.add_argument("--keep-last", type=int, default=None, metavar="K",
+                        help="newest generations kept by pruning (default: every generation of the run, "
+                             "as the library keeps them without keep_last)")
+    parser.add_argument("--keep-every", type=int, default=None, metavar="N",
+                        help="milestones kept: update numbers that are multiples of N")
+    parser.add_argument("--generation-bytes", type=byte_count_arg, default=None, metavar="BYTES",
+                        help="size of one generation (default: the newest committed one)")
+    parser.add_argument("--tiers", default=None, metavar="FILE", help="JSON file of per-tier rates (below)")
+    return parser

@@ -1,0 +1,56 @@
+"""scripts/bench/scale.py: the scale harness at a tiny size (16 simulated ranks on two nodes, rank
+0's process and one more), its figures positive and consistent with each other, whatever the
+protocol its adapter drives; and its collective fake's byte counts against torch's
+``*_object`` collectives."""
+
+from __future__ import annotations
+
+import pickle
+
+from scripts.bench import scale
+
+
+def test_a_tiny_case_measures_every_figure_consistently() -> None:
+    case = scale.Case(16, ranks_per_node=8, items=10, saves=2, warmup=0, workers=1,
+                      idle_s=0.3, idle_nodes=2, budget_s=60.0)
+    row = scale.run_case(case)
+    assert row["not_measured"] is None, row["not_measured"]
+    assert len(row["saves"]) == 2
+    for save in row["saves"]:
+        requests = save["requests"]
+        assert sum(requests.values()) > 0 and requests.get("set", 0) > 0  # the ranks reported
+        assert save["bytes"] > 0 and save["rank0_s"] > 0 and save["server_cpu_s"] >= 0
+        reads = save["max_read"]
+        assert set(reads) == {"rank0", "leader", "other"} and min(reads.values()) >= 0
+        # no rank reads more than went through the store, and someone reads (rank 0 the reports)
+        assert 0 < max(reads.values()) < save["bytes"]
+        assert 0 < save["coll_bytes"] <= 15 * 16384  # the save agreement: at most 16 KiB per peer
+    assert 0 <= row["max_read_other"] <= row["max_read_any"] < row["store_bytes"]
+    assert row["store_requests"] > 0 and row["rank0_commit_s"] > 0 and row["arrivals_s"] >= 0
+    assert row["idle"]["requests_per_s"] >= 0 and row["idle"]["sampled_nodes"] == 2
+    restore = row["restore"]
+    assert restore["coll_bytes_max"] > 0 and restore["store_bytes"] >= 0
+    lines = scale.table_rows([row])
+    assert len(lines) == 1 and len(lines[0]) == len(scale.HEADER) and lines[0][0] == "16"
+
+
+def test_a_case_over_its_budget_is_not_measured_and_says_so() -> None:
+    row = scale.run_case(scale.Case(16, items=10, saves=1, workers=1, budget_s=0.01))
+    assert row["not_measured"] and "budget" in row["not_measured"]
+    cells = scale.table_rows([row])[0]
+    assert cells[1] == "-" and cells[-1].startswith("not measured: ")
+
+
+def test_collective_bytes_are_those_torch_object_collectives_move() -> None:
+    values = {0: "root", 1: ["a" * 100], 2: None}
+    sizes = {rank: len(pickle.dumps(obj)) for rank, obj in values.items()}
+    world, rep = 5, [0, 1, 2, 2, 2]  # ranks 3 and 4 contribute what rank 2 does
+    gathered = scale.collective_result("all_gather", 0, None, values, world, rep)
+    assert gathered[1][0] == ["root", ["a" * 100], None, None, None]
+    assert gathered[1][1] == (world - 1) * (8 + max(sizes.values()))
+    framed = scale.collective_result("all_gather", 0, (16384, 8), values, world, rep)
+    assert framed[2][1] == (world - 1) * 16384
+    sent = scale.collective_result("broadcast", 0, None, values, world, rep)
+    assert sent[0] == ("root", 0) and sent[2] == ("root", 8 + sizes[0])
+    to_root = scale.collective_result("gather", 0, None, values, world, rep)
+    assert to_root[0][1] > to_root[1][1] == (world - 1) * 8 and to_root[1][0] is None
