@@ -26,27 +26,12 @@ from .. import logs
 from .node import Node, host_name, layout_from, torchrun_leader
 
 log = logs.get(__name__)
-LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
 
 
 def current_rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _lazy_gloo_group(timeout_s: float) -> Any:
-    """The checkpoint group, its gloo pairs connected on first use (``TORCH_GLOO_LAZY_INIT``)
-    rather than all W - 1 of them at creation, unless the job chose otherwise: its collectives
-    (ring all-gathers, broadcasts from rank 0) use a few peers per rank."""
-    chosen = os.environ.get(LAZY_INIT_ENV)
-    if chosen is None:
-        os.environ[LAZY_INIT_ENV] = "1"
-    try:
-        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    finally:
-        if chosen is None:
-            os.environ.pop(LAZY_INIT_ENV, None)
 
 
 class Comm:
@@ -62,7 +47,7 @@ class Comm:
         self.distributed = self.world_size > 1 or (dist.is_available() and dist.is_initialized())
         if self.distributed:
             # a rank may sit in a foreground all-gather while a peer blocks on its oldest save
-            self.group = _lazy_gloo_group(timeout_s)
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             base_store = dist.distributed_c10d._get_default_store()
         else:
             self.group = None
