@@ -43,6 +43,7 @@ BELL_KEY = "bell"
 FAST_S = 0.01  # the leader's first read after a ring or a hint; the interval then doubles
 IDLE_S = 1.0  # ... up to this: at most one request per second per node while idle
 LOCAL_POLL_S = 0.005  # local waiters' first look at the node directory, doubling to 0.05 s
+HINT_POLL_S = 0.05  # the watcher's look for a local hint (a stat) between its store reads
 RELAYS_KEPT = 64  # relay files the leader keeps before removing the oldest
 # the longest a leader's close waits for its members to read its relays: they wait for them
 # already (milliseconds when alive); one that died never will, and one that comes later
@@ -253,7 +254,7 @@ class BellWatcher:
                 else:
                     interval = min(interval * 2, IDLE_S)
                 next_read = now + interval
-            self._stop.wait(min(FAST_S, max(0.0, next_read - time.monotonic())) or FAST_S)
+            self._stop.wait(min(HINT_POLL_S, max(0.0, next_read - time.monotonic())) or FAST_S)
 
     def stop(self) -> None:
         self._stop.set()
