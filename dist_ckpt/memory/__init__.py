@@ -7,5 +7,5 @@ replication in ``replicas``, the restore exchange routed in ``routes`` and run i
 and the file channel between node leaders over torch.distributed (``peer``). Nothing outside
 this package names a ring, a peer or a shared-memory path; the manager talks to
 ``MemoryTierRunner`` only.
-May import every layer up to ``ops``.
+May import every layer below ``lifecycle`` (docs/architecture.md, "Layers").
 """

@@ -145,7 +145,9 @@ class Node:
         deadline = time.monotonic() + timeout_s
         for name, readers in self._relays:
             for rank in readers:
-                while not os.path.exists(os.path.join(self.directory, f"{name}.read-{rank}")):
+                # read, or closed itself (its save gave up on the relay, or it never waits)
+                while not os.path.exists(os.path.join(self.directory, f"{name}.read-{rank}")) \
+                        and not os.path.exists(os.path.join(self.directory, f"closed-{rank}")):
                     if time.monotonic() >= deadline:
                         log.warning("closing before rank(s) of this node read %s", name)
                         return
@@ -187,6 +189,9 @@ class Node:
         if self.is_leader:
             self._wait_read(min(wait_s, CLOSE_WAIT_S))
             shutil.rmtree(self.directory, ignore_errors=True)
+        elif os.path.isdir(self.directory):
+            with contextlib.suppress(OSError):  # the leader's close need not wait for this rank
+                _write_atomic(os.path.join(self.directory, f"closed-{self.rank}"), b"")
 
 
 class Bell:
