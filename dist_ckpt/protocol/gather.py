@@ -8,10 +8,11 @@ store see one key per node.
 Call order for one exchange named ``scope`` (a save's generation and attempt, a replay's
 channel and sequence number):
 
-1. ``post`` (every rank): its message under ``rank_key(scope, rank)``; a node leader keeps
-   its own in memory instead.
-2. ``forward`` (every node leader but rank 0's): waits for its members' keys until the
-   deadline, posts one node message (each member's raw message, the missing ranks) under
+1. ``post`` (every rank): its message under ``rank_key(scope, rank)``, then one count on
+   its node's counter (``members_key``); a node leader keeps its own in memory instead.
+2. ``forward`` (every node leader but rank 0's): polls its node's counter (one request per
+   round) until every member counted itself in or the deadline, reads the keys with one
+   ``multi_get``, posts one node message (each member's raw message, the missing ranks) under
    ``node_key(scope, leader)``, deletes the members' keys, then counts itself in
    (``store.add(count_key(scope), 1)``).
 3. ``gather`` (rank 0): its own node's members as in 2, then one request per poll round on
@@ -47,16 +48,39 @@ def count_key(scope: str) -> str:
     return f"{scope}/nodes-in"
 
 
+def members_key(scope: str, leader: int) -> str:
+    return f"{scope}/in/{leader}"
+
+
 def post(comm: Comm, scope: str, raw: bytes) -> None:
-    """Step 1 (every rank but node leaders; leaders pass ``raw`` to ``forward``/``gather``)."""
+    """Step 1 (every rank but node leaders; leaders pass ``raw`` to ``forward``/``gather``):
+    the message, then one count on the node's counter, which is all its leader polls."""
     if not comm.node.is_leader:
         comm.store_set(rank_key(scope, comm.rank), raw)
+        comm.store.add(members_key(scope, comm.node.layout.leader), 1)
+
+
+def _wait_count(comm: Comm, key: str, count: int, deadline: float) -> bool:
+    """One ``add(key, 0)`` per poll round until it reaches ``count``; False at the deadline."""
+    interval = 0.002
+    while comm.store.add(key, 0) < count:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+        interval = min(interval * 2, 0.05)
+    return True
 
 
 def _collect_members(comm: Comm, scope: str, own: bytes, deadline: float) -> Collected:
     members = [r for r in comm.node.layout.members if r != comm.rank]
     keys = {rank: rank_key(scope, rank) for rank in members}
-    late = set(comm.store_wait(list(keys.values()), max(0.0, deadline - time.monotonic())))
+    counter = members_key(scope, comm.rank)
+    if not members or _wait_count(comm, counter, len(members), deadline):
+        late: set[str] = set()
+    else:  # the deadline passed: which ones are missing (a failure path, one check each)
+        late = {key for key in keys.values() if not comm.store.check([key])}
+    if members:
+        comm.store.delete_key(counter)
     arrived = [rank for rank in members if keys[rank] not in late]
     values = comm.store.multi_get([keys[r] for r in arrived]) if arrived else []
     for rank in arrived:
@@ -84,14 +108,9 @@ def gather(comm: Comm, scope: str, own: bytes, deadline: float) -> tuple[Collect
     if not leaders:
         return found, own_node
     counter = count_key(scope)
-    limit = deadline + GRACE_S
-    interval = 0.002
-    while comm.store.add(counter, 0) < len(leaders) and time.monotonic() < limit:
-        time.sleep(min(interval, max(0.0, limit - time.monotonic())))
-        interval = min(interval * 2, 0.05)
+    complete = _wait_count(comm, counter, len(leaders), deadline + GRACE_S)
     keys = [node_key(scope, leader) for leader in leaders]
-    present = [k for k in keys if comm.store.check([k])] if comm.store.add(counter, 0) < len(leaders) \
-        else keys
+    present = keys if complete else [k for k in keys if comm.store.check([k])]
     for key, raw in zip(present, comm.store.multi_get(present) if present else [], strict=True):
         node = json.loads(raw)
         found.received.update({int(r): m.encode("utf-8") for r, m in node["received"].items()})

@@ -79,6 +79,9 @@ from .channels import channel as channel_spec
 from .record import update_record
 
 log = logs.get(__name__)
+# after a local commit a follower asks the store itself for the next announcement for this
+# long (polling, as rank 0 announces within seconds); idle, it waits for the node's bell
+ACTIVE_S = 10.0
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Replayer:
         self._active: str | None = None
         self._local_done: set[str] = set()
         self._closing = False
+        self._active_until = 0.0  # monotonic: after a local commit, followers ask the store directly
         self._seq = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"dist-ckpt-{channel}")
         self._thread.start()
@@ -157,6 +161,7 @@ class Replayer:
     # ---- all ranks ---------------------------------------------------------------------
     def local_committed(self, generation: str) -> None:
         """This rank's copy of ``generation`` is in place (its save job finished)."""
+        self._active_until = time.monotonic() + ACTIVE_S
         with self._cond:
             self._local_done.add(generation)
             self._cond.notify_all()
@@ -231,7 +236,13 @@ class Replayer:
         node's one watcher keeps, ``protocol/node.py``) and asks the store once per ring."""
         bell = self.comm.node.bell
         seen = bell.value()
-        while not self.comm.store.check([seq_key]):
+        while True:
+            if time.monotonic() < self._active_until:  # a commit here: an announcement is near
+                if not self.comm.store_wait([seq_key], 0.5):
+                    break
+                continue
+            if self.comm.store.check([seq_key]):
+                break
             seen = bell.wait(seen, 5.0)
         return messages.decode(ReplayAnnouncement, self.comm.store_get(seq_key))
 
