@@ -168,7 +168,7 @@ class Comm:
     def store_set(self, key: str, value: bytes) -> None:
         self.store.set(key, value)
 
-    def store_wait(self, keys: list[str], timeout_s: float, max_interval: float = 0.05) -> list[str]:
+    def store_wait(self, keys: list[str], timeout_s: float) -> list[str]:
         """Wait until every key exists or the deadline passes; returns the keys still missing.
 
         Polls ``check`` instead of a blocking ``wait``: a TCPStore ``wait`` that times out
@@ -182,7 +182,7 @@ class Comm:
             if not pending or time.monotonic() >= deadline:
                 return pending
             time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
-            interval = min(interval * 2, max_interval)
+            interval = min(interval * 2, 0.05)
 
     def store_get(self, key: str) -> bytes:
         return self.store.get(key)

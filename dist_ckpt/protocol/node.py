@@ -232,7 +232,6 @@ class BellWatcher:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._stop = threading.Event()
-        self.reads = 0  # store requests made, for tests and the scale harness
         self._thread = threading.Thread(target=self._run, daemon=True, name="dist-ckpt-bell")
         self._thread.start()
 
@@ -252,7 +251,6 @@ class BellWatcher:
                 except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                     log.debug("bell watcher stopped", exc_info=True)
                     return
-                self.reads += 1
                 if value != seen:
                     seen, interval = value, FAST_S
                     _write_atomic(node.bell.path, str(value).encode())

@@ -244,9 +244,9 @@ def _outcome(request: SaveRequest, comm: Comm, job: SaveJob, raw: bytes,
         outcome, job.manifest_raw, readers = commit(request, comm, commit_timeout_s, raw)
         if job.manifest_raw is not None and len(comm.fs_group) < comm.world_size:
             # leaders of other filesystem groups publish their copy: they need the bytes
-            comm.store_set(messages.manifest_key(request.generation, request.attempt_id), job.manifest_raw)
-            job.store_keys.append((messages.manifest_key(request.generation, request.attempt_id),
-                                   comm.fs_groups - 1))
+            offered = messages.manifest_key(request.generation, request.attempt_id)
+            comm.store_set(offered, job.manifest_raw)
+            job.store_keys.append((offered, comm.fs_groups - 1))
         encoded = messages.encode(outcome)
         comm.store.set(key, encoded)
         job.store_keys.append((key, comm.world_size - 1))  # every rank acknowledges it
