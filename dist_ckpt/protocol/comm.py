@@ -13,9 +13,10 @@ import json
 import os
 import pickle
 import struct
+import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +27,23 @@ from .. import logs
 from .node import Node, host_name, layout_from, torchrun_leader
 
 log = logs.get(__name__)
+
+MIN_BLOCKING_S = 0.05  # shorter deadlines poll (Comm.blocking_wait)
+
+
+def poll_until(done: Callable[[], bool], deadline: float, *, first_s: float = 0.002,
+               max_s: float = 0.05) -> bool:
+    """Call ``done`` until it returns True (then True) or ``deadline`` (``time.monotonic()``)
+    passes (then False), sleeping ``first_s`` after the first call, doubling up to ``max_s``:
+    quick when the answer is near, a few requests per second when it is not."""
+    interval = first_s
+    while not done():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(interval, remaining))
+        interval = min(interval * 2, max_s)
+    return True
 
 
 def current_rank_and_world() -> tuple[int, int]:
@@ -55,6 +73,8 @@ class Comm:
         session = self.broadcast(uuid.uuid4().hex[:12])
         self.session = session
         self.store = dist.PrefixStore(f"dist_ckpt/{session}/", base_store)
+        self._base_store = base_store
+        self._waits = WaitConnections(self)
         contribution = torchrun_leader(self.rank) or host_name()
         self.node = Node(self.store, self.rank, session,
                          layout_from(self.rank, self.all_gather(contribution)), watch=self.distributed)
@@ -174,15 +194,43 @@ class Comm:
         Polls ``check`` instead of a blocking ``wait``: a TCPStore ``wait`` that times out
         leaves its reply pending on the client socket and desynchronises later calls.
         """
-        deadline = time.monotonic() + max(timeout_s, 0.0)
         pending = list(keys)
-        interval = 0.002
-        while True:
-            pending = [k for k in pending if not self.store.check([k])]
-            if not pending or time.monotonic() >= deadline:
-                return pending
-            time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
-            interval = min(interval * 2, 0.05)
+
+        def arrived() -> bool:
+            pending[:] = [k for k in pending if not self.store.check([k])]
+            return not pending
+
+        poll_until(arrived, time.monotonic() + max(timeout_s, 0.0))
+        return pending
+
+    def blocking_wait(self, keys: list[str], timeout_s: float) -> list[str]:
+        """Like ``store_wait``, in one request: a blocking ``wait`` on a store connection
+        that no other thread uses meanwhile (``WaitConnections``). For the ranks that wait on
+        many keys or on a verdict while a save runs (rank 0, the node leaders): their polling,
+        one request per round each, would load the store in proportion to the nodes for as
+        long as the save takes.
+
+        A wait that times out (or a lost connection) closes its connection, so that a reply to
+        the cancelled wait can never answer a later request; the keys still missing are then
+        found with one ``check`` each (a failure path). Where the store cannot open another
+        connection (a Python ``Store``), and for deadlines under ``MIN_BLOCKING_S`` (a
+        ``wait`` of zero would wait for ever), it polls as ``store_wait`` does."""
+        if not keys:
+            return []
+        connection = self._waits.take() if timeout_s >= MIN_BLOCKING_S else None
+        if connection is None:
+            return self.store_wait(keys, timeout_s)
+        try:
+            connection.wait(keys, timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - a timeout, or the connection failed
+            return [key for key in keys if not self.store.check([key])]
+        self._waits.give_back(connection)
+        return []
+
+    def new_wait_connection(self) -> Any:
+        """A new connection to the job's store under this ``Comm``'s namespace (``clone``: a
+        TCPStore opens another socket; a HashStore shares its map)."""
+        return dist.PrefixStore(f"dist_ckpt/{self.session}/", self._base_store.clone())
 
     def store_get(self, key: str) -> bytes:
         return self.store.get(key)
@@ -212,6 +260,7 @@ class Comm:
         first has shut ours down with it; then only the reference is dropped.
         """
         self.node.close(wait_s)
+        self._waits.close()
         groups, self._groups = [*self._groups, self.group], []
         self.group = None
         while groups:
@@ -221,6 +270,41 @@ class Comm:
             if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
                 dist.destroy_process_group(group)
             del group  # the last reference: the C++ group is destroyed now
+
+
+class WaitConnections:
+    """Store connections for ``Comm.blocking_wait``: one per waiting thread at a time, kept
+    for the next wait (opening one costs a connect and the store's handshake). Any thread."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self._free: list[Any] = []
+        self._lock = threading.Lock()
+        self._possible = True
+
+    def take(self) -> Any:
+        """A connection of the caller's alone until ``give_back``; None when this store
+        opens none."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if not self._possible:
+                return None
+        try:
+            return self.comm.new_wait_connection()
+        except Exception:  # noqa: BLE001 - this store opens no second connection: callers poll
+            log.debug("no store connection of its own for blocking waits", exc_info=True)
+            self._possible = False
+            return None
+
+    def give_back(self, connection: Any) -> None:
+        with self._lock:
+            self._free.append(connection)
+
+    def close(self) -> None:
+        """Drop the free connections (one still in a wait goes when its waiter drops it)."""
+        with self._lock:
+            self._free.clear()
 
 
 class PendingGather:

@@ -8,17 +8,19 @@ store see one key per node.
 Call order for one exchange named ``scope`` (a save's generation and attempt, a replay's
 channel and sequence number):
 
-1. ``post`` (every rank): its message under ``rank_key(scope, rank)``, then one count on
-   its node's counter (``members_key``); a node leader keeps its own in memory instead.
-2. ``forward`` (every node leader but rank 0's): polls its node's counter (one request per
-   round) until every member counted itself in or the deadline, reads the keys with one
-   ``multi_get``, posts one node message (each member's raw message, the missing ranks) under
-   ``node_key(scope, leader)``, deletes the members' keys, then counts itself in
-   (``store.add(count_key(scope), 1)``).
-3. ``gather`` (rank 0): its own node's members as in 2, then one request per poll round on
-   the counter until every other node counted itself in or the deadline (plus ``GRACE_S``
-   for the leaders' own collection) passed, then one ``multi_get`` of the node keys that
-   arrived. A node that did not arrive counts all its ranks missing.
+1. ``post`` (every rank but the node leaders): its message under ``rank_key(scope, rank)``,
+   one request; a node leader keeps its own in memory instead.
+2. ``forward`` (every node leader but rank 0's): one blocking wait for its members' keys
+   (``Comm.blocking_wait``, on a connection of its own) until all are in or the deadline,
+   one ``multi_get`` of them, one node message (each member's raw message, the missing
+   ranks) under ``node_key(scope, leader)``, and the members' keys deleted.
+3. ``gather`` (rank 0): its own node's members as in 2, then one blocking wait for the other
+   nodes' keys until all are in or the deadline (plus ``GRACE_S`` for the leaders' own
+   collection), then one ``multi_get`` of the node keys that arrived. A node that did not
+   arrive counts all its ranks missing.
+
+No rank polls while it waits: a save costs the store about 3 requests per rank (post, read
+and delete by the leader) plus a few per node, whatever it takes.
 
 Rank 0's verdict goes back the other way: one store key that only the node leaders read, each
 relaying it to its node through the node directory (``Node.relay_post`` / ``relay_wait``);
@@ -44,43 +46,16 @@ def node_key(scope: str, leader: int) -> str:
     return f"{scope}/node/{leader}"
 
 
-def count_key(scope: str) -> str:
-    return f"{scope}/nodes-in"
-
-
-def members_key(scope: str, leader: int) -> str:
-    return f"{scope}/in/{leader}"
-
-
 def post(comm: Comm, scope: str, raw: bytes) -> None:
-    """Step 1 (every rank but node leaders; leaders pass ``raw`` to ``forward``/``gather``):
-    the message, then one count on the node's counter, which is all its leader polls."""
+    """Step 1 (every rank but node leaders; leaders pass ``raw`` to ``forward``/``gather``)."""
     if not comm.node.is_leader:
         comm.store_set(rank_key(scope, comm.rank), raw)
-        comm.store.add(members_key(scope, comm.node.layout.leader), 1)
-
-
-def _wait_count(comm: Comm, key: str, count: int, deadline: float) -> bool:
-    """One ``add(key, 0)`` per poll round until it reaches ``count``; False at the deadline."""
-    interval = 0.002
-    while comm.store.add(key, 0) < count:
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-        interval = min(interval * 2, 0.05)
-    return True
 
 
 def _collect_members(comm: Comm, scope: str, own: bytes, deadline: float) -> Collected:
     members = [r for r in comm.node.layout.members if r != comm.rank]
     keys = {rank: rank_key(scope, rank) for rank in members}
-    counter = members_key(scope, comm.rank)
-    if not members or _wait_count(comm, counter, len(members), deadline):
-        late: set[str] = set()
-    else:  # the deadline passed: which ones are missing (a failure path, one check each)
-        late = {key for key in keys.values() if not comm.store.check([key])}
-    if members:
-        comm.store.delete_key(counter)
+    late = set(comm.blocking_wait(list(keys.values()), deadline - time.monotonic()))
     arrived = [rank for rank in members if keys[rank] not in late]
     values = comm.store.multi_get([keys[r] for r in arrived]) if arrived else []
     for rank in arrived:
@@ -95,7 +70,6 @@ def forward(comm: Comm, scope: str, own: bytes, deadline: float) -> Collected:
     node = {"received": {str(r): raw.decode("utf-8") for r, raw in found.received.items()},
             "missing": found.missing}
     comm.store_set(node_key(scope, comm.rank), json.dumps(node).encode("utf-8"))
-    comm.store.add(count_key(scope), 1)
     return found
 
 
@@ -107,17 +81,14 @@ def gather(comm: Comm, scope: str, own: bytes, deadline: float) -> tuple[Collect
     leaders = [leader for leader in comm.node.layout.leaders if leader != comm.rank]
     if not leaders:
         return found, own_node
-    counter = count_key(scope)
-    complete = _wait_count(comm, counter, len(leaders), deadline + GRACE_S)
     keys = [node_key(scope, leader) for leader in leaders]
-    present = keys if complete else [k for k in keys if comm.store.check([k])]
+    absent = set(comm.blocking_wait(keys, deadline + GRACE_S - time.monotonic()))
+    present = [key for key in keys if key not in absent]
     for key, raw in zip(present, comm.store.multi_get(present) if present else [], strict=True):
         node = json.loads(raw)
         found.received.update({int(r): m.encode("utf-8") for r, m in node["received"].items()})
         found.missing.extend(int(r) for r in node["missing"])
         comm.store.delete_key(key)
-    comm.store.delete_key(counter)
-    absent = set(keys) - set(present)
     for leader, key in zip(leaders, keys, strict=True):
         if key in absent:
             found.missing.extend(comm.node.layout.members_of(leader))

@@ -7,7 +7,9 @@ Background (through the c10d store, never a collective; see docs/architecture.md
 - :class:`RankReport`: rank r -> its node leader -> rank 0 (``protocol/gather.py``, scope
   ``save_scope(generation, attempt_id)``: one key per node).
 - :class:`CommitOutcome`: rank 0 -> the node leaders, ``outcome_key(generation, attempt_id)``
-  (claimed first as ``COMMITTING``, or ``ABANDONED`` by a leader that gave up), -> their
+  (the commit point is claimed before under ``claim_key``: ``COMMITTING`` by rank 0, or
+  ``ABANDONED`` by a leader that gave up first; only the verdict goes under the outcome key,
+  so a leader's one blocking wait on it ends with the verdict), -> their
   nodes' ranks through the node directory (``outcome_relay``). The manifest itself goes only
   to the leaders that publish a node copy (``manifest_key``).
 - node copy published: a filesystem leader -> its group, ``published_key(...)``.
@@ -50,6 +52,11 @@ def save_scope(generation: str, attempt_id: str) -> str:
 
 def outcome_key(generation: str, attempt_id: str) -> str:
     return f"{generation}/{attempt_id}/outcome"
+
+
+def claim_key(generation: str, attempt_id: str) -> str:
+    """Who claimed the commit point first: rank 0 (``COMMITTING``) or a leader (``ABANDONED``)."""
+    return f"{generation}/{attempt_id}/claim"
 
 
 def manifest_key(generation: str, attempt_id: str) -> str:
@@ -133,8 +140,8 @@ class RankReport:
     error: str | None = None
 
 
-# the outcome key's value while rank 0 publishes (it can no longer fail the generation), and
-# the value a node leader that gave up waiting sets first (rank 0 then may not publish)
+# the claim key's value once rank 0 publishes (it can no longer fail the generation), and the
+# value a node leader that gave up waiting sets first (rank 0 then may not publish)
 COMMITTING = b"committing"
 ABANDONED = b"abandoned"
 

@@ -10,7 +10,8 @@ of ranks that alone saturates it. So the ranks of one node share one reader of t
   host name form a node. The leader is the node's lowest rank.
 - **relay** (``relay_post`` by the leader, ``relay_wait`` by the others): a message the
   leader read from the store is written into the node directory (atomic rename); the other
-  ranks of the node wait for the file (a ``stat``), never for the store.
+  ranks of the node wait for the file (a ``stat``), never for the store. The waiting threads
+  of one process share one look per round (``SharedLook``).
 - **bell** (``ring`` by any rank that posts something ranks wait for idly: a replay
   announcement, a ring offer, a preemption target): one counter key for the job. Only the
   leader's watcher thread reads it: ``FAST_S`` after the bell changed or a local rank
@@ -32,7 +33,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .. import logs
@@ -42,7 +43,8 @@ log = logs.get(__name__)
 BELL_KEY = "bell"
 FAST_S = 0.01  # the leader's first read after a ring or a hint; the interval then doubles
 IDLE_S = 1.0  # ... up to this: at most one request per second per node while idle
-LOCAL_POLL_S = 0.005  # local waiters' first look at the node directory, doubling to 0.05 s
+LOCAL_POLL_S = 0.005  # local waiters' first look at the node directory, doubling to ...
+LOCAL_POLL_MAX_S = 0.05  # ... this
 HINT_POLL_S = 0.05  # the watcher's look for a local hint (a stat) between its store reads
 RELAYS_KEPT = 64  # relay files the leader keeps before removing the oldest
 # the longest a leader's close waits for its members to read its relays: they wait for them
@@ -157,20 +159,20 @@ class Node:
         """Not the leader: the relayed message; None once ``timeout_s`` passed, or at once
         when this node is closed here or by its leader (nothing will be relayed then)."""
         path = os.path.join(self.directory, name)
-        deadline = time.monotonic() + timeout_s
-        interval = LOCAL_POLL_S
-        while True:
-            with contextlib.suppress(FileNotFoundError):
-                with open(path, "rb") as handle:
-                    data = handle.read()
-                # read: the leader may remove the directory at its close once all have read
-                _write_atomic(f"{path}.read-{self.rank}", b"")
-                return data
+
+        def ready() -> bool:
             # this rank closed its manager, or the leader closed and removed the directory
-            if time.monotonic() >= deadline or self._closed or not os.path.isdir(self.directory):
-                return None
-            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-            interval = min(interval * 2, 0.05)
+            return os.path.exists(path) or self._closed or not os.path.isdir(self.directory)
+
+        shared_look(self.directory).wait(ready, time.monotonic() + timeout_s)
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            return None
+        # read: the leader may remove the directory at its close once all have read
+        _write_atomic(f"{path}.read-{self.rank}", b"")
+        return data
 
     def watch(self) -> None:
         """The leader's watcher thread, started once (other ranks: nothing to do)."""
@@ -212,18 +214,70 @@ class Bell:
         """The bell's value once it differs from ``since``, else ``since`` after ``timeout_s``
         (or at once when ``stop`` is set). Reads the node directory only."""
         self.node.watch()
-        deadline = time.monotonic() + timeout_s
-        interval = LOCAL_POLL_S
-        while True:
-            value = self.value()
-            remaining = deadline - time.monotonic()
-            if value != since or remaining <= 0 or (stop is not None and stop.is_set()):
-                return value
-            if stop is not None:
-                stop.wait(min(interval, remaining))
-            else:
-                time.sleep(min(interval, remaining))
-            interval = min(interval * 2, 0.05)
+        shared_look(self.node.directory).wait(
+            lambda: self.value() != since or (stop is not None and stop.is_set()),
+            time.monotonic() + timeout_s)
+        return self.value()
+
+
+class SharedLook:
+    """The threads of this process that wait on one node directory take turns looking at it.
+
+    Why: a rank's waits (its outcome relay, its replay followers' and ring receiver's bell)
+    would each poll a file every few milliseconds. One look per round for all of them keeps
+    that cost per process, not per waiting thread; where one process holds several ranks of a
+    node (the scale harness: thousands of simulated ranks as threads on two cores), it is
+    what lets the leaders that post the node's reports get the CPU at all.
+
+    Call order: any thread calls ``wait(ready, deadline)``. The first waiter without a looker
+    becomes the looker: it evaluates every waiter's ``ready`` each round (the interval
+    doubling from ``LOCAL_POLL_S`` to ``LOCAL_POLL_MAX_S``) and wakes them all when one holds;
+    the others sleep on the condition until woken or their deadline. A looker whose own wait
+    ends hands the role to the next waiter.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting: dict[int, Callable[[], bool]] = {}
+        self._looker: int | None = None
+        self._next = 0
+
+    def wait(self, ready: Callable[[], bool], deadline: float) -> bool:
+        """True once ``ready()`` holds, False at ``deadline`` (``time.monotonic()``)."""
+        with self._cond:
+            me, self._next = self._next, self._next + 1
+            self._waiting[me] = ready
+            interval = LOCAL_POLL_S
+            try:
+                while not ready():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    if self._looker is None:
+                        self._looker, interval = me, LOCAL_POLL_S
+                    if self._looker != me:
+                        self._cond.wait(remaining)
+                        continue
+                    self._cond.wait(min(interval, remaining))
+                    interval = min(interval * 2, LOCAL_POLL_MAX_S)
+                    if any(other() for key, other in self._waiting.items() if key != me):
+                        self._cond.notify_all()
+                return True
+            finally:
+                del self._waiting[me]
+                if self._looker == me:
+                    self._looker = None
+                    self._cond.notify_all()  # a waiter left takes the role over
+
+
+_LOOKS: dict[str, SharedLook] = {}
+_LOOKS_LOCK = threading.Lock()
+
+
+def shared_look(directory: str) -> SharedLook:
+    """This process's ``SharedLook`` of ``directory``."""
+    with _LOOKS_LOCK:
+        return _LOOKS.setdefault(directory, SharedLook())
 
 
 class BellWatcher:

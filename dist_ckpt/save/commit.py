@@ -74,7 +74,7 @@ def commit(request: SaveRequest, comm: Comm, commit_timeout_s: float,
     the caller), the manifest's bytes when committed, and the ranks of rank 0's node that
     reported (they wait for its relay).
 
-    The commit point is claimed first (``COMMITTING`` under the outcome key, compare-and-set):
+    The commit point is claimed first (``COMMITTING`` under the claim key, compare-and-set):
     a node leader that gave up waiting set ``ABANDONED`` there before, and then rank 0 does
     not publish, so no rank can record as failed a generation rank 0 commits."""
     reports, failures, own_node = collect_reports(request, comm, commit_timeout_s, own)
@@ -93,7 +93,7 @@ def commit(request: SaveRequest, comm: Comm, commit_timeout_s: float,
             faults.hit("commit.before_manifest", 0)
             attempt.put_files(metadata)
             manifest = build_manifest(request, entries + metadata)
-            key = messages.outcome_key(request.generation, request.attempt_id)
+            key = messages.claim_key(request.generation, request.attempt_id)
             if comm.store.compare_set(key, "", messages.COMMITTING.decode()) != messages.COMMITTING:
                 raise CommitError("a node leader gave up waiting for the outcome first")
             faults.hit("commit.claimed", 0)

@@ -250,6 +250,7 @@ def _outcome(request: SaveRequest, comm: Comm, job: SaveJob, raw: bytes,
         encoded = messages.encode(outcome)
         comm.store.set(key, encoded)
         job.store_keys.append((key, comm.world_size - 1))  # every rank acknowledges it
+        job.store_keys.append((messages.claim_key(request.generation, request.attempt_id), 0))
     elif node.is_leader:
         faults.hit("node.before_forward", comm.rank)
         readers = list(gather.forward(comm, scope, raw, request.started + commit_timeout_s).received)
@@ -317,37 +318,31 @@ def _hard_bound(request: SaveRequest, comm: Comm) -> float:
 
 
 def _await_outcome(request: SaveRequest, comm: Comm, commit_timeout_s: float) -> bytes:
-    """A node leader: rank 0's verdict from the store. At the deadline (rank 0 stops waiting
-    for reports at ``commit_timeout_s``, then needs a moment to publish) the leader claims the
-    outcome key as ``ABANDONED``; when rank 0 claimed it first (``COMMITTING``: it is
-    publishing), the leader waits for the verdict that replaces it, up to ``_hard_bound``."""
+    """A node leader: rank 0's verdict from the store, in one blocking wait (a leader polling
+    through the save would load the store once per round per node). At the deadline (rank 0
+    stops waiting for reports at ``commit_timeout_s``, then needs a moment to publish) the
+    leader claims the commit point as ``ABANDONED``; when rank 0 claimed it first
+    (``COMMITTING``: it is publishing), the leader waits for the verdict, up to
+    ``_hard_bound``."""
     key = messages.outcome_key(request.generation, request.attempt_id)
     remaining = commit_timeout_s - (time.monotonic() - request.started) \
         + max(OUTCOME_GRACE_S, commit_timeout_s)
-    deadline, interval = time.monotonic() + remaining, 0.002
-    while True:
-        value = comm.store_get(key) if comm.store.check([key]) else None
-        if value is not None and value != messages.COMMITTING:
-            break  # the verdict, or ABANDONED by another leader
-        if time.monotonic() >= deadline:
-            # the deadline rule: rank 0 claimed the commit by now (it is publishing), or
-            # this claim makes the generation failed for every rank
-            value = comm.store.compare_set(key, "", messages.ABANDONED.decode())
-            if value in (messages.ABANDONED, messages.COMMITTING):
-                faults.hit("outcome.abandoned" if value == messages.ABANDONED else "outcome.committing",
-                           comm.rank)
-            break
-        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-        interval = min(interval * 2, 0.1)
-    interval = 0.002
-    while value == messages.COMMITTING and _hard_bound(request, comm) > 0:
-        time.sleep(min(interval, _hard_bound(request, comm)))
-        interval = min(interval * 2, 0.1)
-        value = comm.store_get(key)
-    if value in (messages.COMMITTING, messages.ABANDONED):
-        why = "published no outcome before the deadline" if value == messages.ABANDONED \
-            else "claimed the commit and published no outcome"
-        return messages.encode(CommitOutcome(False, {"0": f"rank 0 {why}"}, request.generation))
+    if comm.blocking_wait([key], remaining):
+        # the deadline rule: rank 0 claimed the commit by now (it is publishing), or this
+        # claim makes the generation failed for every rank
+        claim = messages.claim_key(request.generation, request.attempt_id)
+        claimed = comm.store.compare_set(claim, "", messages.ABANDONED.decode())
+        faults.hit("outcome.abandoned" if claimed == messages.ABANDONED else "outcome.committing",
+                   comm.rank)
+        if claimed == messages.COMMITTING:
+            arrived = not comm.blocking_wait([key], _hard_bound(request, comm))
+        else:  # a verdict posted before its claim key was retired still wins
+            arrived = comm.store.check([key])
+        if not arrived:
+            why = "published no outcome before the deadline" if claimed == messages.ABANDONED \
+                else "claimed the commit and published no outcome"
+            return messages.encode(CommitOutcome(False, {"0": f"rank 0 {why}"}, request.generation))
+    value = comm.store_get(key)
     comm.store.add(messages.ack_key(key), 1)
     return value
 
@@ -360,7 +355,7 @@ def _publish_node_copy(request: SaveRequest, comm: Comm, job: SaveJob,
     key = messages.published_key(request.generation, request.attempt_id, comm.fs_leader)
     if comm.rank == comm.fs_leader:
         offered = messages.manifest_key(request.generation, request.attempt_id)
-        if comm.store_wait([offered], commit_timeout_s):
+        if comm.blocking_wait([offered], commit_timeout_s):
             raise CommitError(f"rank 0 offered no manifest of {request.generation}",
                               generation=request.generation)
         manifest_raw = comm.store_get(offered)

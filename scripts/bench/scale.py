@@ -68,6 +68,9 @@ blocking path besides its agreement; the memory tier's restore (its holdings all
 exchange); the replay channels' per-generation traffic (announcements, reports, common files)
 and the memory ring's pushes; a first save (planning): the warm-up saves are dropped.
 
+Debugging: ``SCALE_TRACEBACK=1`` prints a failed rank's traceback; ``SCALE_PROFILE=PATH`` writes
+a cProfile of rank 0's ``rank_save`` per save to ``PATH.<update>``.
+
 Store setup: each client connection costs torch a reverse DNS lookup on both ends (of
 ``::ffff:127.0.0.1``), which a slow resolver stalls for its timeout; the harness's processes
 run with ``RES_OPTIONS=timeout:1 attempts:1`` (unless set) and open their connections from a
@@ -157,10 +160,13 @@ class CountingStore(dist.Store):
     ``first_request`` and ``first_set`` are when the first request and the first write ran;
     ``on_first_set`` is called once, after the first write."""
 
-    def __init__(self, client: dist.TCPStore, gate: threading.Semaphore) -> None:
+    def __init__(self, client: dist.TCPStore, gate: threading.Semaphore, connect: Any = None,
+                 counts_into: CountingStore | None = None) -> None:
         super().__init__()
         self._client = client
         self._gate = gate
+        self._connect = connect
+        self._parent = counts_into
         self._holding = False
         self._lock = threading.Lock()
         self.requests: collections.Counter[str] = collections.Counter()
@@ -176,7 +182,14 @@ class CountingStore(dist.Store):
         self.hold = self.first_request = self.first_set = self.on_first_set = None
         self.hold_first = False
 
+    def twin(self) -> CountingStore:
+        """Another connection of this rank (``Comm.blocking_wait``'s), counted as this one."""
+        return CountingStore(self._connect(0), self._gate, self._connect, counts_into=self)
+
     def _enter(self, get: bool = False) -> None:
+        if self._parent is not None:
+            self._parent._enter()
+            return
         if self.hold is not None and (self.hold_first or self.first_set is not None):
             self.hold.wait()
             self.hold = None
@@ -191,6 +204,9 @@ class CountingStore(dist.Store):
             self._gate.release()
 
     def _count(self, kind: str, sent: int, received: int) -> None:
+        if self._parent is not None:
+            self._parent._count(kind, sent, received)
+            return
         with self._lock:
             self.requests[kind] += 1
             self.sent += sent
@@ -494,7 +510,8 @@ class _Worker:
 
         with ThreadPoolExecutor(CONNECT_THREADS) as pool:
             clients = list(pool.map(connect, ranks))
-        self.stores = {rank: CountingStore(client, gate) for rank, client in zip(ranks, clients, strict=True)}
+        self.stores = {rank: CountingStore(client, gate, connect)
+                       for rank, client in zip(ranks, clients, strict=True)}
         self.comms = {rank: adapter.make_comm(case, rank, self.stores[rank], self.collectives)
                       for rank in ranks}
         self.watchers: dict[int, list[Any]] = {}
@@ -512,6 +529,8 @@ class _Worker:
             try:
                 results[rank] = fn(rank)
             except BaseException as exc:  # noqa: BLE001 - reported with the rank's figures
+                if os.environ.get("SCALE_TRACEBACK"):
+                    traceback.print_exc()
                 results[rank] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
             finally:
                 self.stores[rank].release_gate()
@@ -587,7 +606,13 @@ class _Worker:
         threading.Thread(target=progress, daemon=True).start()
 
         def one(rank: int) -> dict[str, Any]:
-            result = adapter.rank_save(self.comms[rank], self.case, update)
+            if rank == 0 and os.environ.get("SCALE_PROFILE"):
+                import cProfile
+                prof = cProfile.Profile()
+                result = prof.runcall(adapter.rank_save, self.comms[rank], self.case, update)
+                prof.dump_stats(f"{os.environ['SCALE_PROFILE']}.{update}")
+            else:
+                result = adapter.rank_save(self.comms[rank], self.case, update)
             if rank == 0:
                 began = self.stores[0].first_request
                 result["commit_s"] = result["protocol_s"] if began is None else time.monotonic() - began

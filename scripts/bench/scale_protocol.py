@@ -4,7 +4,8 @@
 timing, table) imports nothing from ``dist_ckpt``; it calls the functions below, one simulated
 rank at a time, each with that rank's ``Comm`` (``make_comm``). Retargeting the harness to
 another protocol touches this module only. Retargeted to the node-level protocol (issue 41,
-``PROTOCOL``): reports through node leaders (one key per node, a counter, one ``multi_get``),
+``PROTOCOL``): reports through node leaders (one key per node, blocking waits on connections of
+their own, one ``multi_get``),
 a small outcome relayed through each node's directory, write results and ``.metadata`` kept
 under the cached plan, idle watching by one bell reader per node. On a tree without
 ``dist_ckpt.protocol.node`` (6afcc1e, the "before" figures) it drives that tree's protocol:
@@ -74,6 +75,11 @@ from dist_ckpt.format.manifest import (
 from dist_ckpt.lifecycle.preemption import PreemptionWatch
 from dist_ckpt.memory.replicas import Receiver
 from dist_ckpt.protocol.comm import Comm, PendingGather
+
+try:  # blocking waits on a connection of their own: the protocol after 68ddf1c
+    from dist_ckpt.protocol.comm import WaitConnections
+except ImportError:  # pragma: no cover - depends on the tree
+    WaitConnections = None  # type: ignore[assignment,misc]
 from dist_ckpt.protocol.messages import SaveFacts, SpaceFacts
 from dist_ckpt.restart import contract
 from dist_ckpt.restore import quarantine
@@ -94,7 +100,8 @@ except ImportError:  # pragma: no cover - depends on the tree
     Node = NodeLayout = None  # type: ignore[assignment,misc]
 
 PROTOCOL = ("6afcc1e: per-rank reports, manifest in the outcome, per-rank idle polling" if Node is None
-            else "node leaders, small outcome, node relay, cached results, one bell reader per node")
+            else "node leaders, blocking waits, small outcome, node relay, cached results, "
+                 "one bell reader per node")
 SOURCE = os.path.dirname(os.path.abspath(dist_ckpt.__file__))  # the tree driven, printed
 ITEM_ROWS, ITEM_COLS = 1024, 4096  # each rank's chunk of each state-dict item (bf16)
 ITEM_BYTES = ITEM_ROWS * ITEM_COLS * 2
@@ -150,6 +157,9 @@ class SimComm(Comm):
         self.group = None
         self.session = case.session
         self.store = dist.PrefixStore(f"dist_ckpt/{case.session}/", store)
+        self._counting = store
+        if WaitConnections is not None:
+            self._waits = WaitConnections(self)
         first = rank - rank % case.ranks_per_node if case.node_local else 0
         self.fs_leader = first
         self.fs_group = list(range(first, min(first + case.ranks_per_node, case.world_size))) \
@@ -166,6 +176,13 @@ class SimComm(Comm):
 
     def new_group(self, ranks: list[int], timeout_s: float, backend: str = "gloo") -> Any:
         return None
+
+    def new_wait_connection(self) -> Any:
+        """``blocking_wait``'s connection: another client of the server, counted as this rank
+        (not through a ``PrefixStore``: torch's Python ``Store`` cannot take a ``wait`` with
+        a timeout from one)."""
+        return _PrefixedWaits(f"dist_ckpt/{self.session}/", self._counting.twin())
+
 
     def all_gather(self, obj: Any) -> list[Any]:
         return self.collectives.all_gather(self.rank, obj)
@@ -186,6 +203,16 @@ class SimComm(Comm):
     def close(self) -> None:
         if Node is not None:
             self.node.close()
+
+
+class _PrefixedWaits:
+    """``wait(keys, timeout)`` with the keys a ``PrefixStore`` of ``prefix`` would send."""
+
+    def __init__(self, prefix: str, store: Any) -> None:
+        self.prefix, self.store = prefix, store
+
+    def wait(self, keys: list[str], timeout: Any) -> None:
+        self.store.wait([f"{self.prefix}/{key}" for key in keys], timeout)
 
 
 def _layout(case: Any, rank: int) -> Any:
