@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"memory"},
     {"lifecycle"},
     {"manager"},
-    {"cli", "__init__", "launcher_api", "diff", "export"},  # diff, export: offline tools
+    {"cli", "__init__", "launcher_api", "diff", "export", "integrations"},  # diff, export: offline tools
 ]
 # names that only the tier and storage implementations may use: deciding by the kind of root
 KIND_NAMES = {"is_remote", "ObjectStore", "LocalStore", "ObjectStoreTier", "RenameTier"}

@@ -28,7 +28,8 @@ def encode(value: Any) -> Any:
         return encode(value.item())
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu().contiguous()
-        raw = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        # reshape: a 0-dim tensor of a multi-byte dtype cannot be viewed as bytes itself
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
         return {_TAG: "tensor", "dtype": str(tensor.dtype).removeprefix("torch."),
                 "shape": list(tensor.shape), "data": base64.b64encode(raw).decode("ascii")}
     if isinstance(value, np.ndarray):
