@@ -7,6 +7,12 @@ the tensor in a small pickle (``<archive>/data.pkl``): dtype, size, stride, stor
 can copy the bytes straight from the verified mapping into the live tensor (one copy, where
 ``torch.load`` + ``copy_`` makes two and page-faults a fresh buffer in between).
 
+A small tensor item (``save.shardio``'s small-items file) is in torch's legacy ``torch.save``
+format instead: pickles of the magic number, protocol version and system information, the
+tensor's pickle (the same shape as ``data.pkl``, its storage a 6-field persistent id), its
+storage keys, the element count (int64) and the storage bytes. :func:`parse_tensor_record`
+tells the two apart by their first bytes.
+
 The parse is deliberately narrow: anything it does not recognise (another pickle shape, a
 compressed or out-of-bounds record, a foreign byte order, tensor metadata, a subclass) makes
 it return ``None``, and the caller hands that item to torch's own ``torch.load`` path. The
@@ -28,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.serialization import MAGIC_NUMBER, PROTOCOL_VERSION
 
-from .ziplayout import Unusual, central_directory, stored_range
+from .ziplayout import MappedStream, Unusual, central_directory, stored_range
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,12 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 
 class _LayoutUnpickler(pickle.Unpickler):
     """Resolves only the names a plain dense tensor's ``torch.save`` pickle uses; storages
-    become descriptions (nothing is read or allocated)."""
+    become descriptions (nothing is read or allocated). ``legacy``: a persistent id of the
+    legacy format, which adds a view field (always None since torch 1.0)."""
+
+    def __init__(self, file: Any, *, legacy: bool = False) -> None:
+        super().__init__(file)
+        self._legacy = legacy
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
@@ -123,9 +135,12 @@ class _LayoutUnpickler(pickle.Unpickler):
         raise Unusual(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> _Storage:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        fields = 6 if self._legacy else 5
+        if not (isinstance(pid, tuple) and len(pid) == fields and pid[0] == "storage"):
             raise Unusual("persistent id")
-        _, kind, key, _location, numel = pid  # the location does not matter: bytes are bytes
+        if self._legacy and pid[5] is not None:
+            raise Unusual("storage view")
+        _, kind, key, _location, numel = pid[:5]  # the location does not matter: bytes are bytes
         if not isinstance(kind, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
             raise Unusual("storage id")
         return _Storage(kind.dtype, key, numel)
@@ -157,10 +172,41 @@ def _parse(item: memoryview) -> TensorRecord:
     return TensorRecord(layout.dtype, layout.size, layout.stride, layout.storage_offset, offset, nbytes)
 
 
+# how torch.save's legacy format starts (the magic number, pickled with torch's default protocol)
+_LEGACY_START = pickle.dumps(MAGIC_NUMBER, protocol=2)
+
+
+def _parse_legacy(item: memoryview) -> TensorRecord:
+    """A tensor in the legacy format, read the way torch's ``_legacy_load`` reads it."""
+    stream = io.BufferedReader(MappedStream(item))  # the unpickler peeks, never reads past a pickle
+
+    def plain() -> Any:  # a pickle of plain values: any global or persistent id is Unusual
+        return _LayoutUnpickler(stream).load()
+
+    if plain() != MAGIC_NUMBER or plain() != PROTOCOL_VERSION:
+        raise Unusual("not torch's legacy format")
+    system = plain()
+    if not isinstance(system, dict) or system.get("little_endian") is not (sys.byteorder == "little"):
+        raise Unusual("foreign byte order")
+    layout = _LayoutUnpickler(stream, legacy=True).load()
+    if not isinstance(layout, _Layout):
+        raise Unusual("not a tensor")
+    if plain() != [layout.storage.key]:
+        raise Unusual("storage keys")
+    (numel,) = struct.unpack("<q", stream.read(8))
+    element = layout.storage.dtype.itemsize
+    offset, nbytes = stream.tell(), numel * element
+    if numel != layout.storage.numel or offset + nbytes > len(item) or nbytes % layout.dtype.itemsize:
+        raise Unusual("storage size")
+    return TensorRecord(layout.dtype, layout.size, layout.stride, layout.storage_offset, offset, nbytes)
+
+
 def parse_tensor_record(item: memoryview) -> TensorRecord | None:
     """The layout of the tensor saved as ``item`` (one DCP item's bytes), or None when the
-    item is not a plain dense tensor archive this parser knows."""
+    item is not a plain dense tensor (a zip archive or the legacy format) this parser knows."""
     try:
+        if bytes(item[:len(_LEGACY_START)]) == _LEGACY_START:
+            return _parse_legacy(item)
         return _parse(item)
     except (Unusual, zipfile.BadZipFile, pickle.UnpicklingError, struct.error, ValueError,
             TypeError, EOFError, IndexError, KeyError, AttributeError,

@@ -9,13 +9,23 @@ back to get its digest. The bytes go past the page cache where that is possible
 A doomed save stops writing: once ``cancel`` is set (the rank's commit deadline passed) every
 further write request raises ``SaveAbandoned`` instead of reaching the disk, so a slow disk
 costs the job at most the deadline plus the request already in progress.
+
+A small tensor costs its bytes: DCP frames each tensor item as a ``torch.save`` zip (seven
+records with aligned headers and a central directory, about 1.5 KiB around the bytes), while
+the tensors of a rank's small-items file are written in torch's legacy ``torch.save`` format
+(``legacy_header``: about 0.3 KiB). ``torch.load``, and so plain ``dcp.load``, reads both.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import io
 import os
+import pickle
 import queue
+import struct
+import sys
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
@@ -23,9 +33,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemWriter,
+    SerializationFormat,
+    _StorageInfo,
+)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
+from torch.serialization import INT_SIZE, LONG_SIZE, MAGIC_NUMBER, PROTOCOL_VERSION, SHORT_SIZE
 from torch.utils.serialization import config as serialization_config
 
 from .. import faults
@@ -43,6 +61,18 @@ try:  # private helpers of torch's writer; without them the writer keeps DCP's o
     from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_and_type
 except ImportError:  # pragma: no cover - another torch release
     _item_size = _split_by_size_and_type = None  # type: ignore[assignment]
+try:  # DCP's framing of one item; without it every small item keeps DCP's own framing too
+    from torch.distributed.checkpoint.filesystem import _write_item
+except ImportError:  # pragma: no cover - another torch release
+    _write_item = None  # type: ignore[assignment]
+
+# the dtypes torch's legacy format saves through a typed storage class (torch.FloatStorage,
+# ...); the others (float8, the wider unsigned types) keep the zip framing
+LEGACY_DTYPES = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex128, torch.complex64})
+_LEGACY_PICKLE_PROTOCOL = 2  # torch.save's default (DEFAULT_PROTOCOL)
+_LEGACY_STORAGE_KEY = "0"  # torch takes the storage's address: this one does not vary
 
 SMALL_ITEM_BYTES = 64 << 10  # SmallItemsApartWriter: what goes to a rank's small-items file
 _GATHER_BELOW = 16 << 10  # HashingStream: writes this small are gathered ...
@@ -54,9 +84,11 @@ def without_zip_crc32() -> Generator[None, None, None]:
     """DCP stores each tensor as a ``torch.save`` zip whose writer computes a CRC32 of every
     byte, on the writer's core, at a cost comparable to the digest's (docs/performance.md).
     The file digest already covers every byte, so the CRC is skipped while shard files are
-    written; ``torch.load`` (and so ``dcp.load``) does not check it. The switch is torch's process-wide
-    ``torch.utils.serialization.config.save.compute_crc32``: a ``torch.save`` that another
-    thread runs meanwhile writes a zip without CRC32 too (``torch.load`` reads it the same)."""
+    written; ``torch.load`` (and so ``dcp.load``) does not check it. The switch is torch's
+    ``torch.utils.serialization.config.save.compute_crc32``: process-wide in torch 2.11 (a
+    ``torch.save`` that another thread runs meanwhile writes a zip without CRC32 too, which
+    ``torch.load`` reads the same); in 2.13 an override holds for the caller's context only,
+    so a thread started without a copy of it (DCP's extra writer threads) computes the CRC."""
     global _crc_off_writers, _crc_saved
     with _crc_lock:
         if _crc_off_writers == 0:
@@ -95,6 +127,58 @@ def _storage_offset_in_record() -> int:
     with without_zip_crc32():
         torch.save(probe, Counting())
     return found[0] if found else 0
+
+
+class _LegacyPickler(pickle.Pickler):
+    """torch's legacy pickler: a tensor's storage is a persistent id, its bytes follow the pickles."""
+
+    def persistent_id(self, obj: Any) -> tuple | None:
+        if isinstance(obj, torch.storage.TypedStorage):
+            return ("storage", getattr(torch, obj._pickle_storage_type()), _LEGACY_STORAGE_KEY,
+                    "cpu", obj._size(), None)
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def legacy_header(dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
+    """The bytes ``torch.save(t, f, _use_new_zipfile_serialization=False)`` writes before the
+    storage bytes of a dense CPU tensor ``t`` (offset 0, its storage exactly its elements):
+    the magic number, protocol version and system information pickles, the tensor's pickle,
+    the list of its one storage key, and the storage's element count (int64, little-endian).
+    Only the storage key differs from torch's (``"0"``, where torch writes an address), so a
+    tensor of one dtype and shape is always framed alike (a cached plan's offsets repeat)."""
+    out = io.BytesIO()
+    system = {"protocol_version": PROTOCOL_VERSION, "little_endian": sys.byteorder == "little",
+              "type_sizes": {"short": SHORT_SIZE, "int": INT_SIZE, "long": LONG_SIZE}}
+    for value in (MAGIC_NUMBER, PROTOCOL_VERSION, system):
+        pickle.dump(value, out, protocol=_LEGACY_PICKLE_PROTOCOL)
+    probe = torch.empty_strided(size, stride, dtype=dtype)
+    _LegacyPickler(out, protocol=_LEGACY_PICKLE_PROTOCOL).dump(probe)
+    pickle.dump([_LEGACY_STORAGE_KEY], out, protocol=_LEGACY_PICKLE_PROTOCOL)
+    out.write(struct.pack("<q", probe.numel()))
+    return out.getvalue()
+
+
+def legacy_framable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes, as they lie, are its legacy record's storage bytes."""
+    return (type(tensor) is torch.Tensor and tensor.layout == torch.strided and tensor.device.type == "cpu"
+            and tensor.dtype in LEGACY_DTYPES and sys.byteorder == "little" and not tensor.requires_grad
+            and not tensor.is_conj() and not tensor.is_neg() and tensor.is_contiguous()
+            and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+def write_legacy_item(stream: io.IOBase, tensor: torch.Tensor, item: WriteItem,
+                      storage_key: str) -> WriteResult:
+    """One tensor item in torch's legacy format (``legacy_framable`` said yes), its bytes
+    written from where they lie."""
+    offset = stream.tell()
+    stream.write(legacy_header(tensor.dtype, tuple(tensor.size()), tuple(tensor.stride())))
+    if tensor.numel():
+        stream.write(tensor.reshape(-1).view(torch.uint8).numpy())
+    length = stream.tell() - offset
+    return WriteResult(index=item.index, size_in_bytes=length,
+                       storage_data=_StorageInfo(storage_key, offset, length))
 
 
 class SaveAbandoned(OSError):
@@ -273,7 +357,11 @@ class SmallItemsApartWriter(FileSystemWriter):
     that loads it then reads that small file, not the rank's whole shard. A verified restore
     hashes every file it reads from, so with one file per rank an FSDP restore hashed twice
     the bytes on one rank; an object-store restore downloaded them, and another node of the
-    memory tier received them (``memory/routes.py``)."""
+    memory tier received them (``memory/routes.py``).
+
+    The small-items file's tensors are framed in torch's legacy format (``legacy_header``),
+    on a thread of its own beside DCP's writer threads (``_write_beside``); every other
+    item, and every item of the other files, keeps DCP's own framing and path."""
 
     object_items: frozenset = frozenset()  # MetadataIndex of items written as shared objects
     object_name: Callable[[str, int], str] | None = None  # (prefix, index) -> name below dcp/
@@ -304,14 +392,88 @@ class SmallItemsApartWriter(FileSystemWriter):
         # would only add padding (up to ALIGN bytes per item, most of a small generation's
         # overhead), so such items share files whose items are packed
         packed = [b for b in _split_by_size_and_type(self.thread_count, medium) if b]
+        small_file: tuple[Any, str, list[WriteItem]] | None = None
         for index, bucket in enumerate([*buckets, *packed, *([small] if small else [])]):
             name = f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}"
             if index >= len(buckets):
                 unaligned.append(name)
-            files.put((self.fs.concat_path(self.path, name), name, bucket))
+            if bucket is small and self._legacy_framing():
+                small_file = (self.fs.concat_path(self.path, name), name, bucket)
+            else:
+                files.put((self.fs.concat_path(self.path, name), name, bucket))
         if isinstance(self.fs, HashingFileSystem):
             self.fs.unaligned.update(unaligned)
-        return self._write_data(planner, files)
+        if small_file is None:
+            return self._write_data(planner, files)
+        return self._write_beside(planner, files, small_file)
+
+    def _legacy_framing(self) -> bool:
+        """Whether this writer writes the small-items file itself, its tensors in the legacy
+        framing: only where DCP would frame them with plain ``torch.save`` (no stream
+        extension, no safetensors) and the filesystem fsyncs each file itself (this writer's
+        ``sync_files`` is off)."""
+        return (_write_item is not None and isinstance(self.fs, HashingFileSystem)
+                and not self.transforms.extensions
+                and getattr(self, "serialization_format", SerializationFormat.TORCH_SAVE)
+                == SerializationFormat.TORCH_SAVE)
+
+    def _write_beside(self, planner: SavePlanner, files: queue.Queue,
+                      small_file: tuple[Any, str, list[WriteItem]]) -> TorchFuture:
+        """DCP writes ``files`` while a thread of its own writes the small-items file: its
+        few small writes and fsync then add nothing to the save's time. An error of either is
+        raised here, once both are done (no file is still being written after it)."""
+        outcome: dict[str, Any] = {}
+
+        def write_small() -> None:
+            try:
+                outcome["results"] = self._write_small_file(planner, *small_file)
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
+                outcome["error"] = exc
+
+        if files.empty():  # nothing else to write: no thread to start
+            write_small()
+            rest: list[WriteResult] = []
+        else:
+            # torch keeps config overrides per context (2.13: a ContextVar), the zip CRC switch
+            # among them: the thread runs in the caller's, so its zips are the caller's too
+            thread = threading.Thread(target=contextvars.copy_context().run, args=(write_small,),
+                                      name="dist-ckpt-small-items", daemon=True)
+            thread.start()
+            try:
+                rest = self._write_data(planner, files).wait()
+            finally:
+                thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        done: TorchFuture = TorchFuture()
+        done.set_result(rest + outcome["results"])
+        return done
+
+    def _write_small_file(self, planner: SavePlanner, path: Any, name: str,
+                          items: list[WriteItem]) -> list[WriteResult]:
+        """The small-items file, as DCP's ``_write_files_from_queue`` writes one (objects
+        first, then tensors, each detached, on the CPU and no larger than its storage), each
+        tensor ``legacy_framable`` allows in the legacy framing, anything else by DCP."""
+        assert _write_item is not None
+        results: list[WriteResult] = []
+        with self.fs.create_stream(path, "wb") as stream:
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    data = planner.resolve_data(item)
+                    results.append(_write_item(self.transforms, stream, data, item, name,
+                                               SerializationFormat.TORCH_SAVE))
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                tensor = planner.resolve_data(item).detach().cpu()
+                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                    tensor = tensor.clone()  # a view: DCP's loader clones it too
+                if legacy_framable(tensor):
+                    results.append(write_legacy_item(stream, tensor, item, name))
+                else:
+                    results.append(_write_item(self.transforms, stream, tensor, item, name,
+                                               SerializationFormat.TORCH_SAVE))
+        return results
 
 
 def hashing_writer(path: str, *, thread_count: int, cancel: threading.Event | None = None,
