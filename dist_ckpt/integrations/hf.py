@@ -55,7 +55,6 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
@@ -69,7 +68,7 @@ from ..lifecycle.done import DoneRecord
 from ..manager import CheckpointManager
 from ..restart import rng
 from ..restart.state import TrainState
-from .data import ResumableLoader
+from .data import ResumableLoader, seeded_generator
 from .hf_state import (
     SAMPLING_STRATEGIES,
     TRAINER_STATE_KEY,
@@ -154,7 +153,7 @@ class DistCkptTrainer(Trainer):
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
             # the loader draws its workers' base seed from this generator at each iter(), not
             # from the global stream: a resumed epoch's iter() would shift the dropout masks
-            generator=torch.Generator().manual_seed(seed), **workers)
+            generator=seeded_generator(seed), **workers)
         return self._train_loader
 
     def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:

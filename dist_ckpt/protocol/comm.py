@@ -72,7 +72,8 @@ class Comm:
             base_store = dist.HashStore()
         session = self.broadcast(uuid.uuid4().hex[:12])
         self.session = session
-        self.store = dist.PrefixStore(f"dist_ckpt/{session}/", base_store)
+        self.namespace = f"dist_ckpt/{session}/"  # every key of this Comm's, on any connection
+        self.store = dist.PrefixStore(self.namespace, base_store)
         self._base_store = base_store
         self._waits = WaitConnections(self)
         contribution = torchrun_leader(self.rank) or host_name()
@@ -230,7 +231,7 @@ class Comm:
     def new_wait_connection(self) -> Any:
         """A new connection to the job's store under this ``Comm``'s namespace (``clone``: a
         TCPStore opens another socket; a HashStore shares its map)."""
-        return dist.PrefixStore(f"dist_ckpt/{self.session}/", self._base_store.clone())
+        return dist.PrefixStore(self.namespace, self._base_store.clone())
 
     def store_get(self, key: str) -> bytes:
         return self.store.get(key)

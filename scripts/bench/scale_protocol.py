@@ -156,7 +156,8 @@ class SimComm(Comm):
         self.distributed = True
         self.group = None
         self.session = case.session
-        self.store = dist.PrefixStore(f"dist_ckpt/{case.session}/", store)
+        self.namespace = f"dist_ckpt/{case.session}/"
+        self.store = dist.PrefixStore(self.namespace, store)
         self._counting = store
         if WaitConnections is not None:
             self._waits = WaitConnections(self)
@@ -181,7 +182,7 @@ class SimComm(Comm):
         """``blocking_wait``'s connection: another client of the server, counted as this rank
         (not through a ``PrefixStore``: torch's Python ``Store`` cannot take a ``wait`` with
         a timeout from one)."""
-        return _PrefixedWaits(f"dist_ckpt/{self.session}/", self._counting.twin())
+        return _PrefixedWaits(self.namespace, self._counting.twin())
 
 
     def all_gather(self, obj: Any) -> list[Any]:
