@@ -10,9 +10,13 @@ What runs, per case of W ranks (N = W / ranks-per-node nodes):
 - the simulated ranks as W store client connections (one each) over client processes: rank 0
   alone in one, the others in ``--scale-workers`` processes of whole nodes, at nice 19, so that
   rank 0 and the server (each a machine or a core of its own in a real job) get the CPU first.
-  Each rank is a thread of its process. Every store request goes through ``CountingStore``,
-  which counts that rank's requests per kind and its payload bytes sent and received (keys and
-  values; not the few bytes of framing per request);
+  Each rank is a thread of its process (thousands per process at 16,384 ranks), and at most
+  ``scale_clients.RUN_TURNS`` of them run at once: a rank gives its turn up while it blocks
+  (``scale_clients.Turns``: without it, hundreds of threads waking at once spend the cores
+  fighting over the GIL). Every store request goes through ``CountingStore`` (in
+  ``scale_clients``, with the collectives), which counts that rank's requests per kind and
+  its payload bytes sent and received (keys and values; not the few bytes of framing per
+  request);
 - the protocol code is the project's own, called through ``scale_protocol``: the only module of
   the harness that imports ``dist_ckpt``, and the only one to retarget when the protocol
   changes. Its docstring says what it drives and what it replaces (no shard, manifest or
@@ -44,11 +48,13 @@ made its first store write (``arrivals``, from the save's start, its agreement i
 JSON has each save's figures, requests per kind and per-role maxima.
 
 Sampled, then scaled: the idle load is measured on the ranks of the first ``IDLE_NODES`` nodes
-for ``IDLE_S`` seconds (node 0, with rank 0, counted once; the other sampled nodes' mean times
-N - 1); the restore runs on one rank per role (rank 0, a node leader, another rank), every
-other rank contributing to the collectives what its role's sampled rank does, and its store
-traffic is each sampled rank's times its role's count (a restore in which ranks wait for one
-another's store keys needs every rank: ``role_sample``).
+for ``IDLE_S`` seconds, ``IDLE_WARMUP_S`` after their watchers started (node 0, with rank 0,
+counted once; the other sampled nodes' mean times N - 1; the JSON has each role's requests
+per second per rank by kind); the restore runs on one rank per role (rank 0, the last node's
+leader and another of its ranks), every other rank contributing to the collectives what its
+role's sampled rank does, and its store traffic is each sampled rank's times its role's count
+(a restore in which ranks wait for one another's store keys needs every rank:
+``role_sample``).
 
 Bounded: a case that runs past ``--scale-budget-s``, or during which this machine's available
 memory falls below ``MEMORY_FLOOR`` (or an eighth of its RAM), ends and is printed as "not
@@ -66,10 +72,20 @@ something took (a rank polling for the outcome) are lower than a real job's; oth
 the job's store (torchrun's agent, NCCL bootstrap); failures and slow ranks; ``save()``'s
 blocking path besides its agreement; the memory tier's restore (its holdings all-gather and
 exchange); the replay channels' per-generation traffic (announcements, reports, common files)
-and the memory ring's pushes; a first save (planning): the warm-up saves are dropped.
+and the memory ring's pushes; a first save (planning): the warm-up saves are dropped; the
+node leaders' bell watchers outside the idle phase (``scale_protocol``: each leader's reads of
+the bell, about one a second plus a few after each commit, are the idle figure, not a save's).
+
+Modules: this one is the controller (``Case``, ``run_case``, ``phase_scale``);
+``scale_worker`` the store server's and the client processes' code; ``scale_clients`` the
+counting store, the collectives and the turns, in every client process; ``scale_report`` the
+table; ``scale_protocol`` the one seam with ``dist_ckpt``.
 
 Debugging: ``SCALE_TRACEBACK=1`` prints a failed rank's traceback; ``SCALE_PROFILE=PATH`` writes
-a cProfile of rank 0's ``rank_save`` per save to ``PATH.<update>``.
+a cProfile of rank 0's ``rank_save`` per save to ``PATH.<update>``; ``SCALE_STACKS=PATH``: a
+client process dumps its threads' stacks (the first 100) to ``PATH.<process>`` on SIGUSR1.
+The JSON's ``setup_stages`` time each client process's setup (``prepare_process``, its
+connections, its ``Comm`` objects).
 
 Store setup: each client connection costs torch a reverse DNS lookup on both ends (of
 ``::ffff:127.0.0.1``), which a slow resolver stalls for its timeout; the harness's processes
@@ -82,34 +98,27 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
-import pickle
-import resource
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import torch.distributed as dist
-
 from . import scale_protocol as adapter
+from .scale_clients import Broker
+from .scale_report import print_table as print_table
+from .scale_worker import NotMeasured, cpu_seconds, meminfo, raise_nofile, serve_store, worker_main
 
 DEFAULT_RANKS = (256, 1024, 4096)
-IDLE_S = 4.0  # the idle window, after IDLE_WARMUP_S
-IDLE_WARMUP_S = 0.5
+# the idle window: two of a replay follower's 5 s checks, after the bell watcher's start
+# (its reads FAST_S apart, doubling to one a second, take about 2.3 s; more on a loaded machine)
+IDLE_S = 10.0
+IDLE_WARMUP_S = 4.0
 IDLE_NODES = 4
-GATE = 16  # ranks of one process between a get and their next request (memory bound)
-WORKER_NICE = 19
-CONNECT_THREADS = 32
-PROGRESS_S = 2.0
 MEMORY_FLOOR = 3 << 30  # a case ends ("not measured") once less is available (or 1/8 of RAM)
 
 
@@ -125,6 +134,7 @@ class Case:
     warmup: int = 1  # saves before the measured ones (first-use costs of each process)
     workers: int = 3
     idle_s: float = IDLE_S
+    idle_warmup_s: float = IDLE_WARMUP_S
     idle_nodes: int = IDLE_NODES
     budget_s: float = 600.0
     commit_timeout_s: float = 600.0
@@ -146,544 +156,6 @@ class Case:
         return os.path.join(self.scratch, "restore-root")
 
 
-class NotMeasured(Exception):
-    """The case could not finish (its budget, a resource limit, a failed rank)."""
-
-
-# ---- the counting store (in every client process) ---------------------------------------------
-class CountingStore(dist.Store):
-    """One simulated rank's store: a ``TCPStore`` client connection of its own, each request
-    counted (``requests`` per kind, payload ``sent`` and ``received``). ``gate``: a rank holds
-    one of the process's permits from a ``get`` to its next request (memory bound, ``GATE``).
-    ``hold``: an event the rank's first request of a save (``hold_first``: rank 0) or its first
-    request after its first write (the ranks that report) waits for (``Case.synchronized``);
-    ``first_request`` and ``first_set`` are when the first request and the first write ran;
-    ``on_first_set`` is called once, after the first write."""
-
-    def __init__(self, client: dist.TCPStore, gate: threading.Semaphore, connect: Any = None,
-                 counts_into: CountingStore | None = None) -> None:
-        super().__init__()
-        self._client = client
-        self._gate = gate
-        self._connect = connect
-        self._parent = counts_into
-        self._holding = False
-        self._lock = threading.Lock()
-        self.requests: collections.Counter[str] = collections.Counter()
-        self.sent = 0
-        self.received = 0
-        self.hold: threading.Event | None = None
-        self.hold_first = False
-        self.first_request: float | None = None
-        self.first_set: float | None = None
-        self.on_first_set: Any = None
-
-    def reset(self) -> None:
-        self.hold = self.first_request = self.first_set = self.on_first_set = None
-        self.hold_first = False
-
-    def twin(self) -> CountingStore:
-        """Another connection of this rank (``Comm.blocking_wait``'s), counted as this one."""
-        return CountingStore(self._connect(0), self._gate, self._connect, counts_into=self)
-
-    def _enter(self, get: bool = False) -> None:
-        if self._parent is not None:
-            self._parent._enter()
-            return
-        if self.hold is not None and (self.hold_first or self.first_set is not None):
-            self.hold.wait()
-            self.hold = None
-        if self.first_request is None:
-            self.first_request = time.monotonic()
-        with self._lock:
-            acquire, release = get and not self._holding, not get and self._holding
-            self._holding = get
-        if acquire:
-            self._gate.acquire()
-        if release:
-            self._gate.release()
-
-    def _count(self, kind: str, sent: int, received: int) -> None:
-        if self._parent is not None:
-            self._parent._count(kind, sent, received)
-            return
-        with self._lock:
-            self.requests[kind] += 1
-            self.sent += sent
-            self.received += received
-
-    def release_gate(self) -> None:
-        with self._lock:
-            holding, self._holding = self._holding, False
-        if holding:
-            self._gate.release()
-
-    def snapshot(self) -> tuple[dict[str, int], int, int]:
-        with self._lock:
-            return dict(self.requests), self.sent, self.received
-
-    # the c10d Store interface (PrefixStore calls these through torch's Python trampoline)
-    def set(self, key: str, value: bytes) -> None:
-        self._enter()
-        self._client.set(key, value)
-        self._count("set", len(key) + len(value), 0)
-        if self.first_set is None:
-            self.first_set = time.monotonic()
-            if self.on_first_set is not None:
-                self.on_first_set()
-
-    def get(self, key: str) -> bytes:
-        self._enter(get=True)
-        value = self._client.get(key)
-        self._count("get", len(key), len(value))
-        return value
-
-    def add(self, key: str, amount: int) -> int:
-        self._enter()
-        value = self._client.add(key, amount)
-        self._count("add", len(key) + 8, 8)
-        return value
-
-    def check(self, keys: list[str]) -> bool:
-        self._enter()
-        found = self._client.check(keys)
-        self._count("check", sum(len(k) for k in keys), 1)
-        return found
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        self._enter()
-        value = self._client.compare_set(key, expected, desired)
-        self._count("compare_set", len(key) + len(expected) + len(desired), len(value))
-        return value
-
-    def deleteKey(self, key: str) -> bool:  # noqa: N802 - the trampoline's name
-        self._enter()
-        deleted = self._client.delete_key(key)
-        self._count("delete_key", len(key), 1)
-        return deleted
-
-    delete_key = deleteKey
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        self._enter(get=True)
-        values = self._client.multi_get(keys)
-        self._count("multi_get", sum(len(k) for k in keys), sum(len(v) for v in values))
-        return values
-
-    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
-        self._enter()
-        self._client.multi_set(keys, values)
-        self._count("multi_set", sum(len(k) for k in keys) + sum(len(v) for v in values), 0)
-
-    def append(self, key: str, value: bytes) -> None:
-        self._enter()
-        self._client.append(key, value)
-        self._count("append", len(key) + len(value), 0)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._enter()
-        if timeout is None:
-            self._client.wait(keys)
-        else:
-            self._client.wait(keys, timeout)
-        self._count("wait", sum(len(k) for k in keys), 0)
-
-    def getNumKeys(self) -> int:  # noqa: N802 - the trampoline's name
-        self._enter()
-        self._count("num_keys", 0, 8)
-        return self._client.num_keys()
-
-    num_keys = getNumKeys
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._client.set_timeout(timeout)
-
-
-# ---- collectives: the client side (in every client process) ------------------------------------
-class Collectives:
-    """The collectives of this process's simulated ranks: once every participating local rank
-    called collective ``k`` of the phase, their objects go to the broker (``Broker``), which
-    answers with each rank's result and the bytes it received; ``received`` sums them."""
-
-    def __init__(self, conn: Connection, ranks: list[int]) -> None:
-        self._conn = conn
-        self._send_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self.received: collections.Counter[int] = collections.Counter()
-        self._local: set[int] = set(ranks)
-        self._phase = 0
-        self._seq: dict[int, int] = {}
-        self._parts: dict[int, dict[int, Any]] = {}
-        self._results: dict[tuple[int, int], dict[int, tuple[Any, int]]] = {}
-        self._taken: collections.Counter[tuple[int, int]] = collections.Counter()
-        self.go = threading.Event()  # every report is in (``Case.synchronized``)
-        threading.Thread(target=self._receive, daemon=True, name="collectives").start()
-
-    def phase(self, phase: int, participants: list[int]) -> None:
-        """A new phase: collective numbers restart; only ``participants`` take part."""
-        with self._cond:
-            self._phase, self._local = phase, set(participants)
-            self._seq = {rank: 0 for rank in participants}
-            self._parts.clear()
-
-    def _receive(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                return
-            if message == ("go",):
-                self.go.set()
-                continue
-            phase, k, results = message
-            with self._cond:
-                self._results[(phase, k)] = results
-                self._cond.notify_all()
-
-    def _call(self, rank: int, op: str, obj: Any, root: int, frame: tuple[int, int] | None) -> Any:
-        with self._cond:
-            phase, k = self._phase, self._seq[rank]
-            self._seq[rank] = k + 1
-            part = self._parts.setdefault(k, {})
-            part[rank] = obj
-            if len(part) == len(self._local):
-                del self._parts[k]
-                with self._send_lock:
-                    self._conn.send((phase, k, op, root, frame, part))
-            while (phase, k) not in self._results:
-                self._cond.wait()
-            value, received = self._results[(phase, k)][rank]
-            self._taken[(phase, k)] += 1
-            if self._taken[(phase, k)] == len(self._local):
-                del self._results[(phase, k)], self._taken[(phase, k)]
-            self.received[rank] += received
-        return value
-
-    def all_gather(self, rank: int, obj: Any, frame: tuple[int, int] | None = None) -> list[Any]:
-        return self._call(rank, "all_gather", obj, 0, frame)
-
-    def broadcast(self, rank: int, obj: Any, src: int) -> Any:
-        return self._call(rank, "broadcast", obj, src, None)
-
-    def gather(self, rank: int, obj: Any, dst: int) -> list[Any] | None:
-        return self._call(rank, "gather", obj, dst, None)
-
-    def scatter(self, rank: int, objs: list[Any] | None, src: int) -> Any:
-        return self._call(rank, "scatter", objs, src, None)
-
-
-def collective_result(op: str, root: int, frame: tuple[int, int] | None, values: dict[int, Any],
-                      world: int, rep: list[int]) -> dict[int, tuple[Any, int]]:
-    """Each participant's result of collective ``op`` and the bytes torch's gloo ``*_object``
-    collective would make it receive. ``values``: the participants' objects; ``rep[r]``: the
-    participant whose object rank ``r`` contributes (itself when it participates)."""
-    sizes = {rank: len(pickle.dumps(obj)) for rank, obj in values.items()}
-    largest = max(sizes.values())
-    out: dict[int, tuple[Any, int]] = {}
-    if op in ("all_gather", "gather"):
-        full = [values[rep[r]] for r in range(world)]
-        for rank in values:
-            if op == "gather":
-                got = (world - 1) * 8 + ((world - 1) * largest if rank == root else 0)
-                out[rank] = (full if rank == root else None, got)
-            elif frame is not None:  # PendingGather: fixed frames, all_gather_object if one overflows
-                fits = largest <= frame[0] - frame[1]
-                out[rank] = (full, (world - 1) * frame[0] + (0 if fits else (world - 1) * (8 + largest)))
-            else:
-                out[rank] = (full, (world - 1) * (8 + largest))
-    elif op == "broadcast":
-        for rank in values:
-            out[rank] = (values[root], 0 if rank == root else 8 + sizes[root])
-    elif op == "scatter":
-        objs = values[root]
-        each = max(len(pickle.dumps(obj)) for obj in objs)
-        for rank in values:
-            out[rank] = (objs[rank], 0 if rank == root else 16 + each)
-    else:
-        raise ValueError(f"unknown collective {op}")
-    return out
-
-
-class Broker:
-    """This process's side of the collectives: one thread per client process collects its parts
-    of collective ``k``; once every participating process sent its part, each gets its ranks'
-    results (``collective_result``)."""
-
-    def __init__(self, conns: list[Connection], world: int) -> None:
-        self.conns = conns
-        self.world = world
-        self._lock = threading.Lock()
-        self._phase = 0
-        self._procs: set[int] = set()
-        self._rep: list[int] = list(range(world))
-        self._parts: dict[tuple[int, int], dict[int, tuple]] = {}
-        self._send_locks = [threading.Lock() for _ in conns]
-        self.error: str | None = None
-        for index, conn in enumerate(conns):
-            threading.Thread(target=self._serve, args=(index, conn), daemon=True, name="broker").start()
-
-    def phase(self, phase: int, procs: set[int], rep: list[int]) -> None:
-        with self._lock:
-            self._phase, self._procs, self._rep = phase, set(procs), rep
-            self._parts.clear()
-
-    def send(self, index: int, message: tuple) -> None:
-        with self._send_locks[index]:
-            self.conns[index].send(message)
-
-    def _serve(self, index: int, conn: Connection) -> None:
-        while True:
-            try:
-                phase, k, op, root, frame, part = conn.recv()
-            except (EOFError, OSError):
-                return
-            with self._lock:
-                parts = self._parts.setdefault((phase, k), {})
-                parts[index] = (op, root, frame, part)
-                if len(parts) < len(self._procs):
-                    continue
-                del self._parts[(phase, k)]
-                rep = self._rep
-            try:
-                values = {rank: obj for _, _, _, p in parts.values() for rank, obj in p.items()}
-                results = collective_result(op, root, frame, values, self.world, rep)
-                for proc, (_, _, _, p) in parts.items():
-                    self.send(proc, (phase, k, {rank: results[rank] for rank in p}))
-            except Exception:  # noqa: BLE001 - reported by the controller; the ranks time out
-                self.error = traceback.format_exc()
-
-
-# ---- the store server and the client processes -------------------------------------------------
-def _raise_nofile(needed: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < needed:
-        raise NotMeasured(f"needs {needed} open files, the hard limit is {hard} (ulimit -Hn)")
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (needed if hard == resource.RLIM_INFINITY else hard, hard))
-
-
-def _serve_store(conn: Connection, world: int) -> None:
-    _raise_nofile(world + 256)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=3600))
-    try:
-        conn.send(store.port)
-        conn.recv()
-    except (EOFError, OSError):  # the controller ended the case
-        pass
-
-
-def meminfo(field: str) -> int | None:
-    """A /proc/meminfo field in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of process ``pid`` so far (all its threads)."""
-    with open(f"/proc/{pid}/stat") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class _Worker:
-    """A client process's state: its ranks' stores and comms (``_worker_main`` runs it)."""
-
-    def __init__(self, index: int, ranks: list[int], case: Case, port: int, cmd: Connection,
-                 coll: Connection) -> None:
-        self.index, self.ranks, self.case, self.cmd = index, ranks, case, cmd
-        self.send_lock = threading.Lock()
-        adapter.prepare_process(case, ranks)
-        self.collectives = Collectives(coll, ranks)
-        gate = threading.Semaphore(GATE)
-        timeout = timedelta(seconds=case.commit_timeout_s + 120)
-
-        def connect(_: int) -> dist.TCPStore:
-            return dist.TCPStore("127.0.0.1", port, is_master=False, use_libuv=True,
-                                 wait_for_workers=False, timeout=timeout)
-
-        with ThreadPoolExecutor(CONNECT_THREADS) as pool:
-            clients = list(pool.map(connect, ranks))
-        self.stores = {rank: CountingStore(client, gate, connect)
-                       for rank, client in zip(ranks, clients, strict=True)}
-        self.comms = {rank: adapter.make_comm(case, rank, self.stores[rank], self.collectives)
-                      for rank in ranks}
-        self.watchers: dict[int, list[Any]] = {}
-        self.marks: dict[int, tuple[dict[str, int], int, int]] = {}
-
-    def send(self, message: tuple) -> None:
-        with self.send_lock:
-            self.cmd.send(message)
-
-    def _threads(self, ranks: list[int], fn: Any) -> dict[int, Any]:
-        """``fn(rank)`` for every rank of ``ranks`` at once, one thread each; their results."""
-        results: dict[int, Any] = {}
-
-        def run(rank: int) -> None:
-            try:
-                results[rank] = fn(rank)
-            except BaseException as exc:  # noqa: BLE001 - reported with the rank's figures
-                if os.environ.get("SCALE_TRACEBACK"):
-                    traceback.print_exc()
-                results[rank] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-            finally:
-                self.stores[rank].release_gate()
-
-        threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in ranks]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return results
-
-    def mark(self, ranks: list[int]) -> None:
-        self.marks = {rank: self.stores[rank].snapshot() for rank in ranks}
-        for rank in ranks:
-            self.stores[rank].reset()
-
-    def deltas(self, ranks: list[int]) -> dict[int, tuple[dict[str, int], int, int, int]]:
-        """Per rank since ``mark``: requests per kind, bytes sent, bytes received, and the
-        collective bytes received since the phase began."""
-        out = {}
-        for rank in ranks:
-            kinds, sent, received = self.stores[rank].snapshot()
-            kinds0, sent0, received0 = self.marks[rank]
-            out[rank] = ({k: n - kinds0.get(k, 0) for k, n in kinds.items() if n != kinds0.get(k, 0)},
-                         sent - sent0, received - received0, self.collectives.received[rank])
-        return out
-
-    def summary(self, ranks: list[int]) -> dict[str, Any]:
-        """The figures of ``ranks`` since ``mark``, folded (the controller folds the processes')."""
-        out: dict[str, Any] = {"requests": collections.Counter(), "sent": 0, "received": 0,
-                               "max_read": {}, "max_coll": 0, "last_first_set": None}
-        for rank, (kinds, sent, received, coll) in self.deltas(ranks).items():
-            role = adapter.rank_role(self.case, rank)
-            out["requests"].update(kinds)
-            out["sent"] += sent
-            out["received"] += received
-            out["max_read"][role] = max(out["max_read"].get(role, 0), received)
-            out["max_coll"] = max(out["max_coll"], coll)
-            first = self.stores[rank].first_set
-            if rank != 0 and first is not None:
-                out["last_first_set"] = max(out["last_first_set"] or first, first)
-        return out
-
-    def save(self, phase: int, update: int, synchronized: bool) -> dict[str, Any]:
-        self.collectives.phase(phase, self.ranks)
-        self.collectives.received.clear()
-        self.mark(self.ranks)
-        # "posted" once every local rank that reports made its first store write (its report)
-        reporters = [r for r in self.ranks if r != 0 and adapter.posts_report(self.case, r)]
-        left, lock = [len(reporters)], threading.Lock()
-
-        def posted() -> None:
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    self.send(("posted", None))
-
-        self.collectives.go.clear()
-        for rank in reporters:
-            self.stores[rank].on_first_set = posted
-            if synchronized:
-                self.stores[rank].hold = self.collectives.go
-        if not reporters:
-            self.send(("posted", None))
-        if 0 in self.stores and synchronized:
-            self.stores[0].hold, self.stores[0].hold_first = self.collectives.go, True
-        done = threading.Event()
-
-        def progress() -> None:
-            while not done.wait(PROGRESS_S):
-                self.send(("progress", self.summary(self.ranks)))
-
-        threading.Thread(target=progress, daemon=True).start()
-
-        def one(rank: int) -> dict[str, Any]:
-            if rank == 0 and os.environ.get("SCALE_PROFILE"):
-                import cProfile
-                prof = cProfile.Profile()
-                result = prof.runcall(adapter.rank_save, self.comms[rank], self.case, update)
-                prof.dump_stats(f"{os.environ['SCALE_PROFILE']}.{update}")
-            else:
-                result = adapter.rank_save(self.comms[rank], self.case, update)
-            if rank == 0:
-                began = self.stores[0].first_request
-                result["commit_s"] = result["protocol_s"] if began is None else time.monotonic() - began
-                self.send(("rank0", result))
-            return result
-
-        try:
-            results = self._threads(self.ranks, one)
-        finally:
-            done.set()
-        failed = {rank: r.get("error") for rank, r in results.items() if not r.get("ok")}
-        return {"failed": len(failed), "error": next(iter(failed.values()), None),
-                "rank0": results.get(0)}
-
-    def retire(self) -> dict[str, Any]:
-        for rank in self.ranks:
-            adapter.after_save(self.comms[rank], self.case)
-        return self.summary(self.ranks)
-
-    def idle_start(self, sample: list[int]) -> None:
-        for rank in sample:
-            self.watchers[rank] = adapter.idle_watchers(self.comms[rank], self.case)
-
-    def idle_mark(self, sample: list[int]) -> tuple[float, dict[int, int]]:
-        now = time.monotonic()
-        return now, {rank: sum(self.stores[rank].snapshot()[0].values()) for rank in sample}
-
-    def idle_stop(self, sample: list[int]) -> None:
-        self._threads(sample, lambda rank: adapter.stop_watchers(
-            self.comms[rank], self.case, self.watchers.pop(rank)))
-
-    def restore(self, phase: int, sample: list[int]) -> dict[int, Any]:
-        self.collectives.phase(phase, sample)
-        self.collectives.received.clear()
-        self.mark(sample)
-        results = self._threads(sample, lambda rank: adapter.rank_restore(self.comms[rank], self.case))
-        failed = {rank: r["error"] for rank, r in results.items() if "error" in r}
-        if failed:
-            raise RuntimeError(f"restore failed: {failed}")
-        return self.deltas(sample)
-
-
-def _worker_main(index: int, ranks: list[int], case: Case, port: int, cmd: Connection,
-                 coll: Connection) -> None:
-    try:
-        _raise_nofile(len(ranks) + 256)
-        if index > 0:  # inherited by every thread it starts
-            os.nice(WORKER_NICE)
-        threading.stack_size(1 << 20)
-        started = time.monotonic()
-        worker = _Worker(index, ranks, case, port, cmd, coll)
-        worker.send(("ready", time.monotonic() - started))
-        while True:
-            message = cmd.recv()
-            kind, args = message[0], message[1:]
-            if kind == "stop":
-                for comm in worker.comms.values():
-                    comm.close()
-                return
-            handler = {"save": worker.save, "retire": worker.retire, "idle_start": worker.idle_start,
-                       "idle_mark": worker.idle_mark, "idle_stop": worker.idle_stop,
-                       "restore_setup": lambda: adapter.restore_setup(case),
-                       "restore": worker.restore}[kind]
-            worker.send(("done", handler(*args)))
-    except BaseException:  # noqa: BLE001 - the controller reports it and ends the case
-        try:
-            cmd.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
-
-
 # ---- the controller (this process) -------------------------------------------------------------
 def partition(case: Case) -> list[list[int]]:
     """Rank 0 alone, then the other ranks in ``case.workers`` runs of whole nodes."""
@@ -697,13 +169,12 @@ def partition(case: Case) -> list[list[int]]:
 
 
 def role_sample(case: Case) -> tuple[list[int], collections.Counter[str]]:
-    """One rank per role (the lowest), and each role's count."""
+    """One rank per role (the highest: of the last node, which the idle phase did not sample,
+    so that no watcher it started is counted in a restore), and each role's count."""
     counts = collections.Counter(adapter.rank_role(case, rank) for rank in range(case.world_size))
     sample: dict[str, int] = {}
-    for rank in range(case.world_size):
+    for rank in reversed(range(case.world_size)):
         sample.setdefault(adapter.rank_role(case, rank), rank)
-        if len(sample) == len(counts):
-            break
     return sorted(sample.values()), counts
 
 
@@ -721,7 +192,8 @@ class _Run:
         self.parts = partition(case)
         self.procs: list[Any] = []
         server_end, here = ctx.Pipe()
-        self.server = ctx.Process(target=_serve_store, args=(server_end, case.world_size), daemon=True)
+        self.server = ctx.Process(target=serve_store, args=(server_end, case.world_size, case.nodes),
+                                  daemon=True)
         self.server.start()
         server_end.close()  # only the child's: its end reads EOF when the child dies
         self.server_conn = here
@@ -732,7 +204,7 @@ class _Run:
         for index, ranks in enumerate(self.parts):
             cmd_end, cmd_here = ctx.Pipe()
             coll_end, coll_here = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(index, ranks, case, self.port, cmd_end, coll_end),
+            proc = ctx.Process(target=worker_main, args=(index, ranks, case, self.port, cmd_end, coll_end),
                                daemon=True)
             proc.start()
             cmd_end.close()
@@ -741,7 +213,8 @@ class _Run:
             self.cmds.append(cmd_here)
             colls.append(coll_here)
         self.broker = Broker(colls, case.world_size)
-        self.setup_s = max(self.ask(range(len(self.parts)), None, kind="ready"))
+        self.setup_stages = self.ask(range(len(self.parts)), None, kind="ready")
+        self.setup_s = max(stages["total"] for stages in self.setup_stages)
 
     def _recv(self, conn: Connection) -> Any:
         remaining = self.deadline - time.monotonic()
@@ -894,7 +367,7 @@ def _idle(run: _Run) -> dict[str, Any]:
     for index in procs:
         run.cmds[index].send(("idle_start", local[index]))
     run.ask(procs, None)
-    time.sleep(IDLE_WARMUP_S)
+    time.sleep(case.idle_warmup_s)
     run.step = "idle: measuring"
     first = _each(run, procs, lambda i: ("idle_mark", local[i]))
     time.sleep(case.idle_s)
@@ -902,12 +375,21 @@ def _idle(run: _Run) -> dict[str, Any]:
     run.step = "idle: stopping the watchers"
     _each(run, procs, lambda i: ("idle_stop", local[i]))
     per_node: collections.Counter[int] = collections.Counter()
+    kinds: collections.defaultdict[str, collections.Counter[str]] = \
+        collections.defaultdict(collections.Counter)
     for (t0, n0), (t1, n1) in zip(first, last, strict=True):
-        for rank, count in n1.items():
-            per_node[rank // case.ranks_per_node] += (count - n0[rank]) / (t1 - t0)
+        for rank, counts in n1.items():
+            for kind, count in counts.items():
+                rate = (count - n0[rank].get(kind, 0)) / (t1 - t0)
+                per_node[rank // case.ranks_per_node] += rate
+                kinds[adapter.rank_role(case, rank)][kind] += rate
     others = [per_node[n] for n in range(1, nodes)]
     job = per_node[0] + (case.nodes - 1) * (statistics.mean(others) if others else 0.0)
-    return {"requests_per_s": job, "node0_per_s": per_node[0],
+    # requests per second per rank of each role, by kind (the sampled ranks' mean)
+    sampled = collections.Counter(adapter.rank_role(case, rank) for rank in sample)
+    by_role = {role: {kind: rate / sampled[role] for kind, rate in counter.items() if rate}
+               for role, counter in kinds.items() if sampled[role]}
+    return {"requests_per_s": job, "node0_per_s": per_node[0], "per_rank_by_kind": by_role,
             "other_node_per_s": statistics.mean(others) if others else None, "sampled_nodes": nodes}
 
 
@@ -952,9 +434,10 @@ def run_case(case: Case, ctx: Any = None) -> dict[str, Any]:
                            "protocol": adapter.PROTOCOL, "source": adapter.SOURCE, "not_measured": None}
     run = None
     try:
-        _raise_nofile(max(len(p) for p in partition(case)) + 256)
+        raise_nofile(case.world_size + case.nodes + 256)  # the server's (``serve_store``)
         run = _Run(case, ctx)
         row["setup_s"] = run.setup_s
+        row["setup_stages"] = run.setup_stages
         row["walls_s"] = walls = {"setup": time.monotonic() - started}
         for name, step in (("idle", _idle), ("saves", _saves), ("restore", _restore)):
             began = time.monotonic()
@@ -1012,64 +495,6 @@ def context() -> Any:
             else:
                 os.environ[key] = value
     return ctx
-
-
-# ---- output ------------------------------------------------------------------------------------
-HEADER = ("ranks", "rank 0 commit s", "store req/save", "store MB/save", "max read other/save",
-          "max read any/save", "server CPU s/save", "idle req/s (job)", "restore store MB",
-          "coll/rank/save", "restore coll/rank", "arrivals s")
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """One line per case: ``HEADER``'s cells ("-": not measured), then why, if anything was not."""
-    out = []
-    for row in rows:
-        saved, idle, restore = "rank0_commit_s" in row, row.get("idle"), row.get("restore")
-        rank0 = row.get("rank0_commit_s", row.get("partial", {}).get("rank0_commit_s"))
-
-        def cell(text: str, measured: bool = saved) -> str:
-            return text if measured else "-"
-
-        get = row.get
-        cells = [str(row["ranks"]), "-" if rank0 is None else f"{rank0:.3f}",
-                 cell(f"{get('store_requests', 0):.0f}"), cell(f"{get('store_bytes', 0) / 1e6:.1f}"),
-                 cell(human_bytes(get("max_read_other", 0))), cell(human_bytes(get("max_read_any", 0))),
-                 cell(f"{get('server_cpu_s', 0):.2f}"),
-                 "-" if idle is None else f"{idle['requests_per_s']:.0f}",
-                 "-" if restore is None else f"{restore['store_bytes'] / 1e6:.2f}",
-                 cell(human_bytes(row.get("coll_bytes", 0))),
-                 "-" if restore is None else human_bytes(restore["coll_bytes_max"]),
-                 cell(f"{row.get('arrivals_s', 0):.2f}")]
-        if row["not_measured"]:
-            cells.append(f"not measured: {row['not_measured']}")
-        out.append(cells)
-    return out
-
-
-def print_table(rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    case = rows[0]["case"]
-    print(f"\n---- scale: {case['ranks_per_node']} simulated ranks per node, {case['items']} state-dict "
-          f"items per rank, {'node-local roots' if case.get('node_local') else 'one shared root'}, "
-          f"{case['saves']} saves per case after {case['warmup']} warm-up (medians); "
-          f"protocol {rows[0]['protocol']} ({rows[0]['source']}) ----")
-    body = table_rows(rows)
-    widths = [max(len(HEADER[i]), *(len(r[i]) for r in body)) for i in range(len(HEADER))]
-    print("  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True)))
-    for cells in body:
-        line = "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=False))
-        print(line if len(cells) == len(HEADER) else f"{line}\n      {cells[-1]}")
-    print("store bytes are payload (keys and values); 'other' = neither rank 0 nor a node leader; "
-          "coll = bytes gloo would move to one rank; arrivals = last rank's first store write "
-          "after the save began (scripts/bench/scale.py)")
 
 
 def phase_scale(cfg: dict[str, Any]) -> list[dict[str, Any]]:

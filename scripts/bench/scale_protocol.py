@@ -35,6 +35,20 @@ What each function drives (the project's own code, not a copy of it):
   (rank 0's replayer idle, with nothing queued), and each node leader's ring ``Receiver``
   (memory tier, more than one node). Stopping them is the real close: rank 0's replayers post
   the stop announcement the followers read.
+- the node (``dist_ckpt.protocol.node``): each rank's real ``Node`` (its layout from the case,
+  its directory in /tmp), with two harness changes, neither of which adds, drops or changes
+  a store request. The leaders' bell watchers do not run during the saves and the restore:
+  each is a thread that looks for a local hint every 50 ms, and 2,048 of them (16,384 ranks)
+  took the two cores; ``idle_watchers`` starts them (``Node.watch``) and ``stop_watchers``
+  stops them, so their reads (one a second per node, a few more after a commit's hint) are
+  counted in the idle figure only, not in a save's requests: at 4,096 ranks a save counted
+  about 32,000 requests with them running and 18,500 without, the difference being mostly
+  these reads over the several seconds a save takes on this machine.
+  And the threads waiting on a node directory (``SharedLook``: the outcome relay, the bell)
+  look at most ``LOCAL_LOOK_MAX_S`` apart, not 0.05 s: one process holds hundreds of nodes
+  here, each with its own looker; a rank learns its outcome up to that much later (a save's
+  wall time, not rank 0's commit time), and those waits, like ``Comm.store_wait``'s polling,
+  run inside the machinery's ``blocked()`` (``prepare_process``).
 - ``restore_setup`` / ``rank_restore``: the last committed manifest and ``.metadata`` written
   to a tmpfs root with sparse files of the listed sizes; then ``select_generation``
   (digests off: only ``.metadata`` hashed), ``quarantine.move_blocking`` and
@@ -43,6 +57,7 @@ What each function drives (the project's own code, not a copy of it):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -74,6 +89,7 @@ from dist_ckpt.format.manifest import (
 )
 from dist_ckpt.lifecycle.preemption import PreemptionWatch
 from dist_ckpt.memory.replicas import Receiver
+from dist_ckpt.protocol import comm as comm_module
 from dist_ckpt.protocol.comm import Comm, PendingGather
 
 try:  # blocking waits on a connection of their own: the protocol after 68ddf1c
@@ -95,8 +111,10 @@ try:  # the replay's home after the refactoring under way; save/replay.py at 6af
 except ImportError:  # pragma: no cover - depends on the tree
     from dist_ckpt.save.replay import Replayer  # type: ignore[no-redef]
 try:  # the node (leader, relay directory, bell) of the protocol under way; none at 6afcc1e
+    from dist_ckpt.protocol import node as node_module
     from dist_ckpt.protocol.node import Node, NodeLayout
 except ImportError:  # pragma: no cover - depends on the tree
+    node_module = None  # type: ignore[assignment]
     Node = NodeLayout = None  # type: ignore[assignment,misc]
 
 PROTOCOL = ("6afcc1e: per-rank reports, manifest in the outcome, per-rank idle polling" if Node is None
@@ -105,6 +123,9 @@ PROTOCOL = ("6afcc1e: per-rank reports, manifest in the outcome, per-rank idle p
 SOURCE = os.path.dirname(os.path.abspath(dist_ckpt.__file__))  # the tree driven, printed
 ITEM_ROWS, ITEM_COLS = 1024, 4096  # each rank's chunk of each state-dict item (bf16)
 ITEM_BYTES = ITEM_ROWS * ITEM_COLS * 2
+# the longest pause between two looks at a node directory by the threads waiting on it (the
+# library's LOCAL_POLL_MAX_S, 0.05 s): one process holds hundreds of nodes here (module docstring)
+LOCAL_LOOK_MAX_S = 0.5
 STATE_JSON = b'{"rng": {"torch": "0123456789abcdef", "numpy": "0123456789abcdef"}, "extras": {}}'
 
 # per client process (prepare_process): each local rank's report, rank 0's DCP metadata,
@@ -163,14 +184,15 @@ class SimComm(Comm):
             self._waits = WaitConnections(self)
         first = rank - rank % case.ranks_per_node if case.node_local else 0
         self.fs_leader = first
-        self.fs_group = list(range(first, min(first + case.ranks_per_node, case.world_size))) \
-            if case.node_local else list(range(case.world_size))
+        self.fs_group = _fs_group(case, first)
         self.root_group_has_rank0 = first == 0
         self._groups = []
         self.collectives = collectives
         if Node is not None:  # the tree's protocol has nodes: this rank's, its directory in /tmp
             self.fs_groups = case.nodes if case.node_local else 1
-            self.node = Node(self.store, rank, case.session, _layout(case, rank), watch=True)
+            # no bell watcher until a wait on the bell starts it (``idle_watchers``): see the
+            # module docstring (the bell)
+            self.node = Node(self.store, rank, case.session, _layout(case, rank), watch=False)
         self.retirer = StoreKeyRetirer(self)
         self.finished: list[SaveJob] = []
         self.results_cache: Any = _results_cache()  # what this rank's saves under one plan repeat
@@ -227,6 +249,17 @@ def _layout(case: Any, rank: int) -> Any:
     leader = rank - rank % case.ranks_per_node
     members = tuple(range(leader, min(leader + case.ranks_per_node, case.world_size)))
     return NodeLayout(leader, members, leaders, node_of)
+
+
+def _fs_group(case: Any, first: int) -> list[int]:
+    """The ranks of the filesystem group led by ``first``: one list per group in a process,
+    shared by its ranks (read only). A list of every rank per rank made setup O(W) per rank:
+    at 16,384 ranks, 19 s and 4 GB per client process."""
+    key = ("fs_group", case.world_size, first)
+    if key not in _STATE:
+        last = min(first + case.ranks_per_node, case.world_size) if case.node_local else case.world_size
+        _STATE[key] = list(range(first, last))
+    return _STATE[key]
 
 
 def _results_cache() -> Any:
@@ -292,15 +325,56 @@ def _prebuilt_writer(request: SaveRequest, rank: int, io_threads: int,
     return _PREBUILT[rank]
 
 
-def prepare_process(case: Any, ranks: list[int]) -> None:
+def prepare_process(case: Any, ranks: list[int], blocked: Any = contextlib.nullcontext) -> None:
     """Once per client process, before its first save: each local rank's report, rank 0's
-    metadata, and ``write_rank_files`` replaced by the prebuilt one (no shard is written)."""
+    metadata, ``write_rank_files`` replaced by the prebuilt one (no shard is written), and the
+    node directory's waits slowed to ``LOCAL_LOOK_MAX_S`` and run inside ``blocked()`` (the
+    machinery's context for a rank that blocks; module docstring)."""
+    if node_module is not None:
+        node_module.LOCAL_POLL_MAX_S = max(node_module.LOCAL_POLL_MAX_S, LOCAL_LOOK_MAX_S)
+        looks = node_module.shared_look
+        if not isinstance(looks, _BlockedLooks):
+            node_module.shared_look = _BlockedLooks(looks, blocked)
+    polls = comm_module.poll_until
+    if not isinstance(polls, _BlockedPolls):  # Comm.store_wait's polling sleeps
+        comm_module.poll_until = _BlockedPolls(polls, blocked)
     names = _item_names(case.items)
     for rank in ranks:
         _PREBUILT[rank] = _prebuilt(case, rank, names)
     if 0 in ranks:
         _STATE["metadata"] = _global_metadata(case, names)
     coordinator.write_rank_files = _prebuilt_writer
+
+
+class _BlockedLooks:
+    """``node.shared_look`` whose ``SharedLook.wait`` runs inside ``blocked()``."""
+
+    def __init__(self, looks: Any, blocked: Any) -> None:
+        self.looks, self.blocked = looks, blocked
+
+    def __call__(self, directory: str) -> Any:
+        return _BlockedLook(self.looks(directory), self.blocked)
+
+
+class _BlockedLook:
+    def __init__(self, look: Any, blocked: Any) -> None:
+        self.look, self.blocked = look, blocked
+
+    def wait(self, ready: Any, deadline: float) -> bool:
+        with self.blocked():
+            return self.look.wait(ready, deadline)
+
+
+class _BlockedPolls:
+    """``comm.poll_until`` run inside ``blocked()``: a rank polling the store for a key another
+    rank of its process sets (a node's copy published by its leader) must not keep a turn."""
+
+    def __init__(self, polls: Any, blocked: Any) -> None:
+        self.polls, self.blocked = polls, blocked
+
+    def __call__(self, done: Any, deadline: float, **kwargs: Any) -> bool:
+        with self.blocked():
+            return self.polls(done, deadline, **kwargs)
 
 
 # ---- one save --------------------------------------------------------------------------------
@@ -393,6 +467,8 @@ def after_save(comm: SimComm, case: Any) -> None:
 def idle_watchers(comm: SimComm, case: Any) -> list[Any]:
     """Start what polls the store on this rank while no save or restore runs (see the module
     docstring); returns them for ``stop_watchers``."""
+    if Node is not None:
+        comm.node.watch()  # the leader's bell watcher (a real Comm's runs from its construction)
     idle = os.path.join(case.scratch, "idle")
     source, destination = (RenameTier(os.path.join(idle, part), direct_io=False)
                            for part in ("memory", "root"))
@@ -416,6 +492,17 @@ def stop_watchers(comm: SimComm, case: Any, watchers: list[Any]) -> None:
             watcher.close()
         else:
             watcher.close(10.0)
+    _stop_bell_watcher(comm)
+
+
+def _stop_bell_watcher(comm: SimComm) -> None:
+    """The leader's bell watcher, which the idle followers started, stops with them: the saves
+    that follow run without any (module docstring: the bell)."""
+    node = getattr(comm, "node", None)
+    watcher = getattr(node, "_watcher", None)
+    if watcher is not None:
+        watcher.stop()
+        node._watcher = None  # type: ignore[union-attr]
 
 
 # ---- restore ----------------------------------------------------------------------------------
