@@ -82,6 +82,10 @@ log = logs.get(__name__)
 # after a local commit a follower asks the store itself for the next announcement for this
 # long (polling, as rank 0 announces within seconds); idle, it waits for the node's bell
 ACTIVE_S = 10.0
+# idle, a follower asks the store only after the bell changed, and otherwise this seldom: a
+# guard against a ring it could not see (its node's watcher gone), not the way it learns
+IDLE_CHECK_S = 60.0
+BELL_WAIT_S = 5.0  # how long one look at the bell waits before the follower looks at its clock
 
 
 @dataclass
@@ -131,6 +135,7 @@ class Replayer:
         self._active: str | None = None
         self._local_done: set[str] = set()
         self._closing = False
+        self._closing_event = threading.Event()  # the same, for a follower's wait on the bell
         self._active_until = 0.0  # monotonic: after a local commit, followers ask the store directly
         self._seq = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"dist-ckpt-{channel}")
@@ -200,6 +205,9 @@ class Replayer:
     # ---- all ranks ---------------------------------------------------------------------
     def _run(self) -> None:
         lower_thread_priority(self.nice)
+        # the node's followers wait on the bell its leader's watcher keeps; the leader itself
+        # may never wait on it (rank 0 announces), so every rank's replayer asks for the watcher
+        self.comm.node.watch()
         while True:
             self._seq += 1
             seq_key = messages.replay_seq_key(self.channel, self._seq)
@@ -233,17 +241,25 @@ class Replayer:
 
     def _await_announcement(self, seq_key: str) -> ReplayAnnouncement:
         """A follower: the next announcement. Idle, it reads only the node's bell (a file the
-        node's one watcher keeps, ``protocol/node.py``) and asks the store once per ring."""
+        node's one watcher keeps, ``protocol/node.py``) and asks the store once per ring (and
+        once per ``IDLE_CHECK_S`` without one)."""
         bell = self.comm.node.bell
-        seen = bell.value()
+        seen, changed, checked = bell.value(), True, float("-inf")
         while True:
-            if time.monotonic() < self._active_until:  # a commit here: an announcement is near
+            # a commit here: an announcement is near; this rank closing: rank 0's stop is near,
+            # and the watcher that would show its ring may have closed with its node's leader
+            if time.monotonic() < self._active_until or self._closing_event.is_set():
                 if not self.comm.store_wait([seq_key], 0.5):
                     break
                 continue
-            if self.comm.store.check([seq_key]):
-                break
-            seen = bell.wait(seen, 5.0)
+            # rank 0 rings after each announcement: a bell that did not change since the last
+            # look at the store means nothing new to read there
+            if changed or time.monotonic() - checked >= IDLE_CHECK_S:
+                if self.comm.store.check([seq_key]):
+                    break
+                checked = time.monotonic()
+            value = bell.wait(seen, BELL_WAIT_S, stop=self._closing_event)
+            changed, seen = value != seen, value
         return messages.decode(ReplayAnnouncement, self.comm.store_get(seq_key))
 
     def _manifest(self, announce: ReplayAnnouncement) -> bytes:
@@ -445,4 +461,5 @@ class Replayer:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        self._closing_event.set()
         self._thread.join(timeout_s)
