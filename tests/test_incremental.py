@@ -155,6 +155,8 @@ def _record(ledger: ReuseLedger, decision, fqn: str):  # noqa: ANN001, ANN202 - 
 
 
 def test_only_frozen_parameters_over_the_small_item_size_are_candidates() -> None:
+    """Tuned's small frozen biases stay out: together they are under PACK_MIN_BYTES
+    (tests/test_small_tensors.py has the pack of small frozen tensors that reach it)."""
     model, _, ledger = _ledger()
     decision = ledger.decide({"model": model.state_dict()}, "layout")
     assert set(decision.proofs) == {"model.base1.weight", "model.base2.weight"}

@@ -1,7 +1,11 @@
 """Incremental generations: which frozen tensors a save references instead of writing them.
 
-A tensor item is written once as a shared object (``ROOT/objects/<digest>.distcp``, its own
-file) and referenced by later generations while its bytes provably did not change. Proof is
+A tensor item is written once as a shared object (``ROOT/objects/<digest>.distcp``: its own
+file over ``SMALL_ITEM_BYTES``; a rank's smaller ones together, one pack per save that writes
+any, each item at its own offset) and referenced by later generations while its bytes provably
+did not change. A pack is referenced item by item: an item whose proof failed is written again
+(in a new pack), the others keep pointing into the old one, which every generation that still
+references an item of it lists in its manifest. Proof is
 the parameter's history, never a guess: the tensor is a parameter of the model (buffers are
 not: torch mutates some of them, BatchNorm's statistics, without bumping their version
 counter), frozen (``requires_grad=False``, or in none of the optimizer's param groups), the
@@ -73,6 +77,9 @@ from .shardio import SMALL_ITEM_BYTES
 log = logs.get(__name__)
 
 NEW_OBJECT_PREFIX = ".new-"  # an object file before it is named by its digest
+# a rank's frozen tensors of up to SMALL_ITEM_BYTES become candidates (one packed object)
+# only when together they reach this many bytes (``ReuseLedger._proofs``)
+PACK_MIN_BYTES = SMALL_ITEM_BYTES
 
 
 @dataclass(frozen=True)
@@ -197,28 +204,37 @@ class ReuseLedger:
                              elsewhere_ids=elsewhere)
 
     def _proofs(self, live: Any) -> tuple[dict[str, Proof], dict[str, weakref.ref], dict[str, torch.Tensor]]:
-        """Every frozen candidate of ``live`` by fqn: its proof now, its parameter, its tensor."""
+        """Every frozen candidate of ``live`` by fqn: its proof now, its parameter, its tensor.
+        A frozen tensor over ``SMALL_ITEM_BYTES`` is a candidate (an object of its own); the
+        smaller ones are candidates together (one packed object) when they add up to
+        ``PACK_MIN_BYTES``: below that, a pack and its second copy would cost two more files
+        per save that rewrites them and save a few KiB."""
         frozen = self._frozen_params()
         flat, _ = flatten_state_dict(live)
         proofs: dict[str, Proof] = {}
         owners: dict[str, weakref.ref] = {}
         kept: dict[str, torch.Tensor] = {}
+        small = 0
         for fqn, value in flat.items():
             if not isinstance(value, torch.Tensor):
                 continue
             local = _local(value)
-            nbytes = local.numel() * local.element_size()
-            param = frozen.get(local.data_ptr()) if nbytes > SMALL_ITEM_BYTES else None
+            param = frozen.get(local.data_ptr()) if local.numel() else None
             if param is None:
                 continue
             mine = _local(param)
             if mine.numel() != local.numel() or mine.dtype != local.dtype \
                     or mine.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
                 continue  # a view of part of it, or another tensor: no proof
+            nbytes = local.numel() * local.element_size()
+            small += nbytes if nbytes <= SMALL_ITEM_BYTES else 0
             proofs[fqn] = Proof(id(param), _versions(param), local.data_ptr(), nbytes, local.dtype,
                                 tuple(local.shape))
             owners[fqn] = weakref.ref(param)
             kept[fqn] = value
+        if small < PACK_MIN_BYTES:
+            for fqn in [f for f, proof in proofs.items() if proof.nbytes <= SMALL_ITEM_BYTES]:
+                del proofs[fqn], owners[fqn], kept[fqn]
         return proofs, owners, kept
 
     def _same(self, fqn: str, proof: Proof, owner: weakref.ref) -> bool:
@@ -336,6 +352,7 @@ def name_objects(local_dir: str, results: list[WriteResult], digests: dict[str, 
     record it in ``reuse.written``; returns the results and the objects' manifest entries."""
     out: list[WriteResult] = []
     entries: dict[str, dict] = {}
+    named: dict[str, tuple[str, dict]] = {}  # file name -> (DCP's relative path, entry)
     objects_dir = os.path.join(local_dir, OBJECTS_DIR)
     for result in results:
         info = result.storage_data
@@ -343,14 +360,18 @@ def name_objects(local_dir: str, results: list[WriteResult], digests: dict[str, 
         if not (isinstance(info, _StorageInfo) and name.startswith(NEW_OBJECT_PREFIX)):
             out.append(result)
             continue
-        size, digest = digests[name]
-        path = object_path(digest)
-        os.replace(os.path.join(objects_dir, name), os.path.join(local_dir, path))
-        result = dataclasses.replace(result, storage_data=dataclasses.replace(
-            info, relative_path=f"{DCP_OBJECT_PREFIX}{os.path.basename(path)}"))
+        if name not in named:  # a pack holds several items: renamed once
+            size, digest = digests[name]
+            path = object_path(digest)
+            os.replace(os.path.join(objects_dir, name), os.path.join(local_dir, path))
+            # one string per file: .metadata's pickle then holds it once, not once per item
+            named[name] = (f"{DCP_OBJECT_PREFIX}{os.path.basename(path)}",
+                           {"path": path, "size": size, algorithm: digest, "rank": rank})
+        relative_path, entry = named[name]
+        result = dataclasses.replace(
+            result, storage_data=dataclasses.replace(info, relative_path=relative_path))
         out.append(result)
-        entry = {"path": path, "size": size, algorithm: digest, "rank": rank}
-        entries[path] = entry
+        entries[entry["path"]] = entry
         fqn = result.index.fqn
         offsets, chunk_sizes = sizes_of(result.index)
         reuse.written.setdefault(fqn, {})[offsets] = Record(reuse.proofs[fqn], chunk_sizes, result, entry)

@@ -13,7 +13,10 @@ costs the job at most the deadline plus the request already in progress.
 A small tensor costs its bytes: DCP frames each tensor item as a ``torch.save`` zip (seven
 records with aligned headers and a central directory, about 1.5 KiB around the bytes), while
 the tensors of a rank's small-items file are written in torch's legacy ``torch.save`` format
-(``legacy_header``: about 0.3 KiB). ``torch.load``, and so plain ``dcp.load``, reads both.
+(``legacy_header``: about 0.3 KiB), its non-tensor items too (``write_legacy_object``: about
+0.15 KiB instead of 1.2), and so are the tensors of a pack (a rank's small frozen tensors in
+one shared object, ``dist_ckpt.save.reuse``). ``torch.load``, and so plain ``dcp.load``, reads
+both.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
@@ -178,6 +182,29 @@ def write_legacy_item(stream: io.IOBase, tensor: torch.Tensor, item: WriteItem,
     length = stream.tell() - offset
     return WriteResult(index=item.index, size_in_bytes=length,
                        storage_data=_StorageInfo(storage_key, offset, length))
+
+
+def write_legacy_object(stream: io.IOBase, value: Any, item: WriteItem, storage_key: str) -> WriteResult:
+    """One non-tensor item (a ``BYTE_IO`` item: a learning rate, betas, a param group's list)
+    as ``torch.save(value, f, _use_new_zipfile_serialization=False)`` writes it: about 0.15
+    KiB around its pickle, where DCP's ``torch.save`` zip takes 1.2 KiB. ``torch.load``
+    reads either, and so does DCP's loader (``load_bytes``)."""
+    offset = stream.tell()
+    framed = io.BytesIO()
+    torch.save(value, framed, _use_new_zipfile_serialization=False)
+    stream.write(framed.getbuffer())
+    length = stream.tell() - offset
+    return WriteResult(index=item.index, size_in_bytes=length,
+                       storage_data=_StorageInfo(storage_key, offset, length))
+
+
+def _saves_objects_plainly(planner: SavePlanner) -> bool:
+    """Whether ``planner`` frames a non-tensor item as DCP's default planner does (the
+    ``torch.save`` of the object it looks up): then the legacy framing of that same object
+    is equivalent."""
+    return (isinstance(planner, DefaultSavePlanner)
+            and type(planner).transform_object is DefaultSavePlanner.transform_object
+            and type(planner).resolve_data is DefaultSavePlanner.resolve_data)
 
 
 class SaveAbandoned(OSError):
@@ -358,9 +385,13 @@ class SmallItemsApartWriter(FileSystemWriter):
     the bytes on one rank; an object-store restore downloaded them, and another node of the
     memory tier received them (``memory/routes.py``).
 
-    The small-items file's tensors are framed in torch's legacy format (``legacy_header``),
-    on a thread of its own beside DCP's writer threads (``_write_beside``); every other
-    item, and every item of the other files, keeps DCP's own framing and path."""
+    Shared objects (``object_items``): one file each over ``SMALL_ITEM_BYTES``; the smaller
+    ones together in one file, a pack, written like the small-items file.
+
+    The small-items file's items and the pack's are framed in torch's legacy format
+    (``legacy_header``, ``write_legacy_object``), after DCP's writer threads are done
+    (``_write_beside``); every other item, and every item of the other files, keeps DCP's own
+    framing and path."""
 
     object_items: frozenset = frozenset()  # MetadataIndex of items written as shared objects
     object_name: Callable[[str, int], str] | None = None  # (prefix, index) -> name below dcp/
@@ -374,12 +405,14 @@ class SmallItemsApartWriter(FileSystemWriter):
         large: list[WriteItem] = []
         files: queue.Queue = queue.Queue()
         unaligned: list[str] = []
-        for index, item in enumerate(i for i in plan.items if i.index in self.object_items):
-            assert self.object_name is not None
-            name = self.object_name(plan.storage_data.prefix, index)  # one file per object
-            files.put((self.fs.concat_path(self.path, name), name, [item]))
-            if _item_size(item) < IN_PLACE_MIN:
-                unaligned.append(os.path.basename(name))
+        legacy = self._legacy_framing()
+        pack = self._queue_objects(plan, files, unaligned)
+        small_files: list[tuple[Any, str, list[WriteItem]]] = []
+        if pack is not None:
+            if legacy:
+                small_files.append(pack)
+            else:
+                files.put(pack)
         medium: list[WriteItem] = []  # over SMALL_ITEM_BYTES, under IN_PLACE_MIN
         for item in plan.items:
             if item.index in self.object_items:
@@ -391,20 +424,42 @@ class SmallItemsApartWriter(FileSystemWriter):
         # would only add padding (up to ALIGN bytes per item, most of a small generation's
         # overhead), so such items share files whose items are packed
         packed = [b for b in _split_by_size_and_type(self.thread_count, medium) if b]
-        small_file: tuple[Any, str, list[WriteItem]] | None = None
         for index, bucket in enumerate([*buckets, *packed, *([small] if small else [])]):
             name = f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}"
             if index >= len(buckets):
                 unaligned.append(name)
-            if bucket is small and self._legacy_framing():
-                small_file = (self.fs.concat_path(self.path, name), name, bucket)
+            if bucket is small and legacy:
+                small_files.insert(0, (self.fs.concat_path(self.path, name), name, bucket))
             else:
                 files.put((self.fs.concat_path(self.path, name), name, bucket))
         if isinstance(self.fs, HashingFileSystem):
             self.fs.unaligned.update(unaligned)
-        if small_file is None:
+        if not small_files:
             return self._write_data(planner, files)
-        return self._write_beside(planner, files, small_file)
+        return self._write_beside(planner, files, small_files)
+
+    def _queue_objects(self, plan: SavePlan, files: queue.Queue, unaligned: list[str]
+                       ) -> tuple[Any, str, list[WriteItem]] | None:
+        """Each object item over ``SMALL_ITEM_BYTES`` to ``files``, a file of its own; returns
+        the others as one file to write (a pack: one shared object holding a rank's small
+        frozen tensors, each at its own offset, named by the digest of the whole), or None."""
+        assert self.object_name is not None or not self.object_items
+        packed: list[WriteItem] = []
+        for item in plan.items:
+            if item.index not in self.object_items:
+                continue
+            if _item_size(item) <= SMALL_ITEM_BYTES:
+                packed.append(item)
+                continue
+            name = self.object_name(plan.storage_data.prefix, files.qsize())  # type: ignore[misc]
+            files.put((self.fs.concat_path(self.path, name), name, [item]))
+            if _item_size(item) < IN_PLACE_MIN:
+                unaligned.append(os.path.basename(name))
+        if not packed:
+            return None
+        name = self.object_name(plan.storage_data.prefix, files.qsize())  # type: ignore[misc]
+        unaligned.append(os.path.basename(name))
+        return self.fs.concat_path(self.path, name), name, packed
 
     def _legacy_framing(self) -> bool:
         """Whether this writer writes the small-items file itself, its tensors in the legacy
@@ -417,29 +472,36 @@ class SmallItemsApartWriter(FileSystemWriter):
                 == SerializationFormat.TORCH_SAVE)
 
     def _write_beside(self, planner: SavePlanner, files: queue.Queue,
-                      small_file: tuple[Any, str, list[WriteItem]]) -> TorchFuture:
-        """DCP writes ``files``, then this thread writes the small-items file, as DCP itself
-        would have (its queue ends with it). Not on a thread of its own beside DCP's: that
-        saves a few milliseconds of writes and fsync, and a third thread resolving, hashing
-        and writing beside DCP's writer competes with the training steps for the CPU."""
+                      small_files: list[tuple[Any, str, list[WriteItem]]]) -> TorchFuture:
+        """DCP writes ``files``, then this thread writes the small-items file and the pack of
+        small shared objects, as DCP itself would have (its queue ends with them). Not on a
+        thread of their own beside DCP's: that saves a few milliseconds of writes and fsync,
+        and a third thread resolving, hashing and writing beside DCP's writer competes with
+        the training steps for the CPU."""
         rest = self._write_data(planner, files).wait() if not files.empty() else []
         done: TorchFuture = TorchFuture()
-        done.set_result(rest + self._write_small_file(planner, *small_file))
+        done.set_result(rest + [r for small_file in small_files
+                                for r in self._write_small_file(planner, *small_file)])
         return done
 
     def _write_small_file(self, planner: SavePlanner, path: Any, name: str,
                           items: list[WriteItem]) -> list[WriteResult]:
-        """The small-items file, as DCP's ``_write_files_from_queue`` writes one (objects
-        first, then tensors, each detached, on the CPU and no larger than its storage), each
-        tensor ``legacy_framable`` allows in the legacy framing, anything else by DCP."""
+        """The small-items file (or a pack), as DCP's ``_write_files_from_queue`` writes one
+        (non-tensor items first, then tensors, each detached, on the CPU and no larger than
+        its storage), each tensor ``legacy_framable`` allows and each non-tensor item of a
+        default planner in the legacy framing, anything else by DCP."""
         assert _write_item is not None
         results: list[WriteResult] = []
         with self.fs.create_stream(path, "wb") as stream:
+            plain_objects = _saves_objects_plainly(planner)
             for item in items:
-                if item.type == WriteItemType.BYTE_IO:
-                    data = planner.resolve_data(item)
-                    results.append(_write_item(self.transforms, stream, data, item, name,
-                                               SerializationFormat.TORCH_SAVE))
+                if item.type != WriteItemType.BYTE_IO:
+                    continue
+                if plain_objects:
+                    results.append(write_legacy_object(stream, planner.lookup_object(item.index), item, name))
+                else:
+                    results.append(_write_item(self.transforms, stream, planner.resolve_data(item), item,
+                                               name, SerializationFormat.TORCH_SAVE))
             for item in items:
                 if item.type == WriteItemType.BYTE_IO:
                     continue
