@@ -229,6 +229,53 @@ def test_a_shard_failing_on_one_rank_stops_every_rank_before_any_item_is_read(tm
         assert [(r["generation"], r["loaded"]) for r in result["reads"]] == [(GEN2, False), (GEN1, True)]
 
 
+def warm_restore_of_damaged_generations(rank: int, world: int, root: str) -> dict:
+    """A trained job restores from a root whose every generation fails on rank 1: the
+    optimizer state was copied early (into scratch tensors), yet nothing the job holds moved."""
+    from dist_ckpt.errors import NoValidGeneration
+
+    job = workers.build("fsdp", rank, world, seed=5)
+    workers.train_step(job)  # warm: the optimizer holds state the restore must not touch
+    before = workers.full_state(job)
+    early: list[int] = []
+    close = onepass.OnePassReader.close
+
+    def spy(self: onepass.OnePassReader) -> None:
+        early.append(len(self._early))
+        close(self)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(onepass.OnePassReader, "close", spy)
+    mgr = workers.manager(job, root)
+    try:
+        with pytest.raises(NoValidGeneration):
+            mgr.restore()
+    finally:
+        mgr.close()
+        patch.undo()
+    after = workers.full_state(job)
+    same = None if before is None or after is None else \
+        before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    return {"early": early, "same": same}
+
+
+@pytest.mark.processes
+def test_early_copies_never_touch_a_warm_jobs_state_when_the_verdict_fails(tmp_path) -> None:
+    root = str(tmp_path / "run")
+    run_ranks(2, save_two, root)
+    for generation in (GEN1, GEN2):
+        shard = os.path.join(root, generation, "dcp", "__1_0.distcp")
+        with open(shard, "r+b") as handle:
+            handle.seek(os.path.getsize(shard) - 64)
+            byte = handle.read(1)
+            handle.seek(-1, os.SEEK_CUR)
+            handle.write(bytes([byte[0] ^ 0x10]))
+    results = run_ranks(2, warm_restore_of_damaged_generations, root)
+    assert results[0]["same"] is True  # rank 0 gathers the full state: bitwise unchanged
+    # the early copies ran on the rank whose files were good (the verdict failed elsewhere)
+    assert any(sum(r["early"]) > 0 for r in results), results
+
+
 def save_with_small_bound(rank: int, world: int, root: str) -> None:
     shardio.SMALL_ITEM_BYTES = 1024  # this model's tensors are small: keep a tensor file too
     save_two(rank, world, root)

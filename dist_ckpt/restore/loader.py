@@ -57,7 +57,7 @@ from ..storage.base import StoreReader
 from ..tiers.base import CommitTier, GenerationReader
 from . import optim_targets
 from .layout import check_layout
-from .onepass import OnePassReader, own_shards
+from .onepass import OnePassReader, own_shards, scratch_optimizer_state
 from .repair import RepairedFile, repair_summary
 
 
@@ -208,7 +208,8 @@ def load_generation(comm: Comm, tier: CommitTier, state: TrainState, name: str,
         return state.tensor_state(wanted)
 
     try:
-        template = _dcp_load(comm, tier, name, manifest, template_for, scratch_parent, one_pass)
+        template = _dcp_load(comm, tier, name, manifest, template_for, scratch_parent, one_pass,
+                             fresh_optimizer=lambda: bool(prebuilt))
     except BaseException:
         optim_targets.discard(state, prebuilt)  # the next candidate starts from no state
         raise
@@ -336,7 +337,7 @@ def missing_file(name: str, tier: CommitTier, exc: OSError) -> Problem:
 
 def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
               template_for: Callable[[Metadata], dict], scratch_parent: str | None,
-              one_pass: bool) -> dict:
+              one_pass: bool, fresh_optimizer: Callable[[], bool] = lambda: False) -> dict:
     """DCP load (all ranks) into the template ``template_for`` builds from the generation's
     metadata, which it returns. Opening the reader, the metadata, ``template_for`` (the
     fit checks) and the layout check are agreed on before ``dcp.load``; a verification
@@ -355,6 +356,8 @@ def _dcp_load(comm: Comm, tier: CommitTier, name: str, manifest: Manifest,
             metadata = reader.read_metadata()
             template = template_for(metadata)
             check_layout(name, metadata, template)  # before anything is written into
+            if verifying is not None:  # its optimizer state loads early, into tensors not the job's
+                verifying.scratch = scratch_optimizer_state(template, fresh=fresh_optimizer())
         except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
             failure = exc
         agree_before_load(comm, tier, name, failure)
