@@ -134,8 +134,8 @@ class Replayer:
         self._uploading = 0
         self._active: str | None = None
         self._local_done: set[str] = set()
-        self._closing = False
-        self._closing_event = threading.Event()  # the same, for a follower's wait on the bell
+        # set by close; an event (not a flag under _cond) so a follower's bell wait ends on it
+        self._closing = threading.Event()
         self._active_until = 0.0  # monotonic: after a local commit, followers ask the store directly
         self._seq = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"dist-ckpt-{channel}")
@@ -193,7 +193,7 @@ class Replayer:
 
     def _next(self) -> tuple[str, bytes] | None:
         with self._cond:
-            while not self._queue and not self._closing:
+            while not self._queue and not self._closing.is_set():
                 self._cond.wait()
             if not self._queue:
                 return None
@@ -248,7 +248,7 @@ class Replayer:
         while True:
             # a commit here: an announcement is near; this rank closing: rank 0's stop is near,
             # and the watcher that would show its ring may have closed with its node's leader
-            if time.monotonic() < self._active_until or self._closing_event.is_set():
+            if time.monotonic() < self._active_until or self._closing.is_set():
                 if not self.comm.store_wait([seq_key], 0.5):
                     break
                 continue
@@ -258,7 +258,7 @@ class Replayer:
                 if self.comm.store.check([seq_key]):
                     break
                 checked = time.monotonic()
-            value = bell.wait(seen, BELL_WAIT_S, stop=self._closing_event)
+            value = bell.wait(seen, BELL_WAIT_S, stop=self._closing)
             changed, seen = value != seen, value
         return messages.decode(ReplayAnnouncement, self.comm.store_get(seq_key))
 
@@ -459,7 +459,6 @@ class Replayer:
 
     def close(self, timeout_s: float) -> None:
         with self._cond:
-            self._closing = True
+            self._closing.set()  # under _cond: rank 0's queue wait checks it there
             self._cond.notify_all()
-        self._closing_event.set()
         self._thread.join(timeout_s)
