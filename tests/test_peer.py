@@ -18,7 +18,7 @@ from dist_ckpt.format.manifest import FileEntry, Manifest
 from dist_ckpt.memory import peer, replicas
 from dist_ckpt.memory.replicas import ring_group_index, ring_groups_needed
 from dist_ckpt.memory.ring import peer_device
-from dist_ckpt.memory.routes import Copy, Transfer, route_exchange
+from dist_ckpt.memory.routes import Copy, Transfer, manifest_digest, route_exchange, wanted_manifests
 from dist_ckpt.testing import run_ranks
 
 GEN = "gen-000000000003"
@@ -91,18 +91,23 @@ def manifest_of(files: dict[str, int]) -> str:
         "files": entries}).to_bytes().decode()
 
 
+def copy_of(raw: str, files: list[str], directory: str, shared: list[str] | None = None) -> Copy:
+    return Copy(manifest_digest(raw), files, directory, shared or [])
+
+
 FILES = {"dcp/.metadata": 0, "state/train_state.json": 0, "dcp/__0_0.distcp": 0, "dcp/__1_0.distcp": 1}
 MEMBERS = {0: {0}, 1: {1}}
 
 
 def test_the_routes_complete_a_lost_node_from_its_peers_replica_and_ships_the_shared_shards() -> None:
     raw = manifest_of(FILES)
+    texts = {manifest_digest(raw): raw}
     shared = ["dcp/__1_0.distcp"]  # holds an item stored once for every rank
-    held = {0: {"memory": {GEN: Copy(raw, ["dcp/.metadata", "state/train_state.json", "dcp/__0_0.distcp"],
+    held = {0: {"memory": {GEN: copy_of(raw, ["dcp/.metadata", "state/train_state.json", "dcp/__0_0.distcp"],
                                      GEN, shared)},
-                "replica": {GEN: Copy(raw, ["dcp/__1_0.distcp"], ".pending-gen-000000000003-ab")}},
+                "replica": {GEN: copy_of(raw, ["dcp/__1_0.distcp"], ".pending-gen-000000000003-ab")}},
             1: {"memory": {}, "replica": {}}}  # node 1 lost its memory
-    routes = route_exchange(held, [0, 1], MEMBERS, world_size=2)
+    routes = route_exchange(held, texts, [0, 1], MEMBERS, world_size=2)
     assert routes is not None and routes.generation == GEN and routes.manifest == raw
     assert routes.transfers == [  # node 0's load reads node 1's shared shard: its own replica's copy
         Transfer("dcp/__1_0.distcp", 0, "replica/.pending-gen-000000000003-ab", 0, load_only=True),
@@ -113,27 +118,45 @@ def test_the_routes_complete_a_lost_node_from_its_peers_replica_and_ships_the_sh
     # both nodes whole: node 0 still needs node 1's shared shard for its load, and only that;
     # from its own replica of node 1 (a local copy) rather than across the network
     whole = ["dcp/__1_0.distcp", "dcp/.metadata", "state/train_state.json"]
-    held[1] = {"memory": {GEN: Copy(raw, whole, GEN)}, "replica": {}}
-    routes = route_exchange(held, [0, 1], MEMBERS, world_size=2)
+    held[1] = {"memory": {GEN: copy_of(raw, whole, GEN)}, "replica": {}}
+    routes = route_exchange(held, texts, [0, 1], MEMBERS, world_size=2)
     assert routes is not None
     assert routes.transfers == [Transfer("dcp/__1_0.distcp", 0, "replica/.pending-gen-000000000003-ab", 0,
                                          load_only=True)]
     del held[0]["replica"][GEN]
-    routes = route_exchange(held, [0, 1], MEMBERS, world_size=2)
+    routes = route_exchange(held, texts, [0, 1], MEMBERS, world_size=2)
     assert routes is not None
     assert routes.transfers == [Transfer("dcp/__1_0.distcp", 1, f"memory/{GEN}", 0, load_only=True)]
 
 
 def test_the_routes_never_mix_timelines_and_skip_an_incomplete_generation() -> None:
     raw, other = manifest_of(FILES), manifest_of({**FILES, "dcp/__1_1.distcp": 1})
+    texts = {manifest_digest(raw): raw, manifest_digest(other): other}
     mine = [path for path, rank in FILES.items() if rank == 0]
-    held = {0: {"memory": {GEN: Copy(raw, mine, GEN)}, "replica": {}},
-            1: {"memory": {GEN: Copy(other, ["dcp/__1_0.distcp"], GEN)}, "replica": {}}}
-    assert route_exchange(held, [0, 1], MEMBERS, world_size=2) is None  # another manifest on node 1
+    held = {0: {"memory": {GEN: copy_of(raw, mine, GEN)}, "replica": {}},
+            1: {"memory": {GEN: copy_of(other, ["dcp/__1_0.distcp"], GEN)}, "replica": {}}}
+    assert route_exchange(held, texts, [0, 1], MEMBERS, world_size=2) is None  # another manifest on node 1
     held[1] = {"memory": {}, "replica": {}}  # nobody holds node 1's shard
-    assert route_exchange(held, [0, 1], MEMBERS, world_size=2) is None
-    assert route_exchange({0: {"memory": {GEN: Copy(raw, list(FILES), GEN)}}}, [0], {0: {0, 1}},
+    assert route_exchange(held, texts, [0, 1], MEMBERS, world_size=2) is None
+    assert route_exchange({0: {"memory": {GEN: copy_of(raw, list(FILES), GEN)}}}, texts, [0], {0: {0, 1}},
                           world_size=3) is None  # another world size: selection says why
+
+
+def test_rank_0_reads_each_manifest_once_and_only_the_ones_it_lacks() -> None:
+    """Inventories name manifests by digest: rank 0 asks one holder for a text it lacks, and
+    a generation whose text did not come (or does not match its digest) is passed over."""
+    raw = manifest_of(FILES)
+    whole = copy_of(raw, list(FILES), GEN)
+    held = {0: {"memory": {}, "replica": {}}, 1: {"memory": {GEN: whole}, "replica": {}},
+            2: {"memory": {GEN: whole}, "replica": {}}}
+    assert wanted_manifests(held, {}) == {manifest_digest(raw): 1}  # the lowest holder only
+    assert wanted_manifests(held, {manifest_digest(raw): raw}) == {}
+    members = {0: {0}, 1: {1}, 2: set()}
+    assert route_exchange(held, {}, [0, 1, 2], members, world_size=2) is None
+    assert route_exchange(held, {manifest_digest(raw): raw + " "}, [0, 1, 2], members, world_size=2) is None
+    routes = route_exchange(held, {manifest_digest(raw): raw}, [0, 1, 2], members, world_size=2)
+    assert routes is not None and routes.manifest == raw
+    assert {t.destination for t in routes.transfers} == {0}  # node 0 lost its copy
 
 
 def test_nccl_without_cuda_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -285,5 +308,60 @@ def test_the_inventory_reports_every_generation_a_node_keeps_for_a_rebuild(tmp_p
     for name in names:
         (tmp_path / name).mkdir()
         (tmp_path / name / "manifest.json").write_text("{}")
-    held = inventory({"memory": [(n, n) for n in names]}, {"memory": str(tmp_path)})
+    held, texts = inventory({"memory": [(n, n) for n in names]}, {"memory": str(tmp_path)})
     assert sorted(held["memory"]) == sorted(names[:RING_KEEP_MAX])
+    assert texts == {held["memory"][names[0]].digest: "{}"}  # one text, however many copies name it
+
+
+def test_the_ring_floor_keeps_for_every_leader_what_all_records_would() -> None:
+    """``protected`` reads two records published by the first leader instead of every
+    leader's record: for each leader, what it keeps must not change."""
+    import random
+
+    from dist_ckpt.format.manifest import generation_name
+    from dist_ckpt.memory.ring import keep_for_rebuild, others_lowest, ring_floor
+
+    chance = random.Random(7)
+    committed = [generation_name(n) for n in range(20, 0, -1)]
+    for _ in range(200):
+        leaders = chance.sample(range(64), chance.randint(2, 6))
+        records = {leader: generation_name(chance.randint(1, 20)) for leader in leaders
+                   if chance.random() < 0.8}
+        floor = ring_floor(records)
+        assert len(floor) <= 2
+        for leader in leaders:
+            everyone = [g for sender, g in records.items() if sender != leader]
+            assert keep_for_rebuild(committed, others_lowest(floor, leader)) == \
+                keep_for_rebuild(committed, everyone)
+
+
+class CountingStore:
+    """A HashStore that counts the requests it is sent, by kind."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.inner = dist.HashStore()
+        self.requests: dict[str, int] = {}
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - the store's method, counted
+        method = getattr(self.inner, name)
+
+        def counted(*args, **kwargs):  # noqa: ANN202, ANN002, ANN003
+            self.requests[name] = self.requests.get(name, 0) + 1
+            return method(*args, **kwargs)
+        return counted
+
+
+def test_the_first_leader_reads_all_replica_records_in_one_request_once_they_exist() -> None:
+    store = CountingStore()
+    records = replicas.ReplicaRecords(store, [0, 8, 16, 24])
+    store.set(f"{replicas.REPLICA_OF_KEY}8", b"gen-000000000004")
+    assert records.read() == {8: "gen-000000000004"}  # the others: not written yet
+    for sender in (0, 16, 24):
+        store.set(f"{replicas.REPLICA_OF_KEY}{sender}", b"gen-000000000005")
+    records.read()
+    store.requests.clear()
+    assert records.read() == {8: "gen-000000000004", 0: "gen-000000000005", 16: "gen-000000000005",
+                              24: "gen-000000000005"}
+    assert store.requests == {"multi_get": 1}  # whatever the number of nodes

@@ -26,3 +26,20 @@ def test_store_reads_per_rank_do_not_grow_with_the_world_and_idle_ranks_are_sile
             else:
                 assert result["idle_requests"] <= 3, (world, rank, result)  # the bell, 1/s
     assert reads[12] <= 1.5 * reads[4], reads
+
+
+def test_gloo_groups_are_created_lazy_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 41: a full mesh of W ranks at the checkpoint group's creation is O(W²)
+    connections; torch reads ``TORCH_GLOO_LAZY_INIT`` when a group is created."""
+    import os
+
+    from dist_ckpt.protocol.comm import GLOO_LAZY_ENV, lazy_gloo
+
+    monkeypatch.delenv(GLOO_LAZY_ENV, raising=False)
+    with lazy_gloo():
+        assert os.environ[GLOO_LAZY_ENV] == "1"
+    assert GLOO_LAZY_ENV not in os.environ  # the user's other groups: torch's default
+    monkeypatch.setenv(GLOO_LAZY_ENV, "0")
+    with lazy_gloo():
+        assert os.environ[GLOO_LAZY_ENV] == "0"
+    assert os.environ[GLOO_LAZY_ENV] == "0"

@@ -32,9 +32,9 @@ import json
 import os
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from .. import logs
 from ..errors import DistCkptError
@@ -44,15 +44,37 @@ from .peer import PeerChannel, PeerError
 
 log = logs.get(__name__)
 REPLICA_OF_KEY = "ring/replica-of/"  # + sender's rank: the generation of its newest replica
+RING_FLOOR_KEY = "ring/floor"  # the two lowest records ({sender: generation}, JSON), by the first leader
 OFFER_WAIT_S = 10.0  # how long a sender waits for its successor to take an offer
 # a receiver looks at the store for the next offer when the job's bell rings (the sender
-# rings it, ``protocol/node.py``) and, in case a ring was missed, once per IDLE_CHECK_S
+# rings it, ``protocol/node.py``) and, in case a ring was missed, once per IDLE_CHECK_S; it
+# never polls the store itself: right after a save, when the next offer is near, its node's
+# watcher reads the bell fast already (the replayer hints it at each local commit)
 IDLE_CHECK_S = 30.0
-# after it took an offer, a receiver asks the store itself for the next one for this long (a
-# job that saves often pushes every save: the bell's idle rate would make replicas lag)
-ACTIVE_S = 10.0
-ACTIVE_POLL_S = 0.5
 RETRY_S = 2.0  # a receiver's pause after the store failed it, before it looks again
+
+
+class ReplicaRecords:
+    """The receivers' records (``REPLICA_OF_KEY``), read by the first leader for the ring's
+    floor (``NodeRing.protected``). A record, once written, is only ever replaced, never
+    deleted: a sender's key is checked until it first exists, then all are read together in
+    one ``multi_get`` (which would block on a missing key)."""
+
+    def __init__(self, store: Any, senders: list[int]) -> None:
+        self.store = store
+        self.missing = list(senders)
+        self.present: list[int] = []
+
+    def read(self) -> dict[int, str]:
+        """Sender leader -> the generation of its newest replica, for every record written."""
+        for sender in list(self.missing):  # each a request only until the record first exists
+            if self.store.check([f"{REPLICA_OF_KEY}{sender}"]):
+                self.missing.remove(sender)
+                self.present.append(sender)
+        if not self.present:
+            return {}
+        values = self.store.multi_get([f"{REPLICA_OF_KEY}{sender}" for sender in self.present])
+        return {sender: raw.decode() for sender, raw in zip(self.present, values, strict=True)}
 
 
 def ring_group_index(position: int, nodes: int) -> int:
@@ -121,7 +143,6 @@ class Receiver:
         self.on_replica = on_replica  # tests: a replica arrived
         self.received = 0  # replicas kept
         self._closed = threading.Event()
-        self._active_until = 0.0  # monotonic: the store is asked directly until then
         self._thread = threading.Thread(target=self._run, daemon=True, name="dist-ckpt-ring-receiver")
 
     def start(self) -> None:
@@ -163,16 +184,11 @@ class Receiver:
         sender withdrew it first, else the offer, taken (compare-and-set) and deleted."""
         store = self.comm.store
         offer_key = _key("offer", self.predecessor, number)
-        if time.monotonic() < self._active_until:
-            if self.comm.store_wait([offer_key], ACTIVE_POLL_S):
-                return None
-        else:
-            bell = self.comm.node.bell
-            rang = bell.value()  # before the check: a ring after it is a change from this value
-            if not store.check([offer_key]):
-                bell.wait(rang, IDLE_CHECK_S, stop=self._closed)
-                return None
-        self._active_until = time.monotonic() + ACTIVE_S
+        bell = self.comm.node.bell
+        rang = bell.value()  # before the check: a ring after it is a change from this value
+        if not store.check([offer_key]):
+            bell.wait(rang, IDLE_CHECK_S, stop=self._closed)
+            return None
         if store.compare_set(_key("accept", self.predecessor, number), "", "accepted") != b"accepted":
             return {}
         offer = json.loads(store.get(offer_key))

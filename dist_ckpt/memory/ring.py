@@ -24,7 +24,8 @@ Call order:
   in the store as the sender's newest replica; received replicas are renamed to their
   generation's name and older ones dropped;
 - ``protected`` in the memory prune (leaders): this node keeps its own copy of every
-  generation from the oldest of the other nodes' newest replicas on (``keep_for_rebuild``).
+  generation from the oldest of the other nodes' newest replicas on (``keep_for_rebuild``);
+  the first leader reads the records and publishes their floor, the others read the floor.
   Replicas of different nodes may be of different generations (a push skips to the newest);
   without it, a node lost while its newest replica was still on the way, or whose replicas
   lag the others', would leave no generation whole: its successor holds an older one, which
@@ -43,6 +44,7 @@ Call order:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -67,8 +69,8 @@ from ..format.validate import list_generations
 from ..protocol.comm import Comm
 from .exchange import Outcome, Places, run_exchange
 from .peer import PeerChannel
-from .replicas import REPLICA_OF_KEY, Receiver, Sender, ring_group_index, ring_groups_needed
-from .routes import ExchangeRoutes, inventory, route_exchange
+from .replicas import RING_FLOOR_KEY, Receiver, ReplicaRecords, Sender, ring_group_index, ring_groups_needed
+from .routes import ExchangeRoutes, Inventory, Manifests, inventory, route_exchange, wanted_manifests
 from .tier import MemoryTier, remove_newer
 
 log = logs.get(__name__)
@@ -107,7 +109,10 @@ class NodeRing:
         if self.nodes > 1:  # the same on every rank: one node needs no group, no collective
             self._open_groups(backend, position)
         self._pushed: str | None = None
-        self._replica_of: dict[int, str] = {}  # leader -> its newest replica's generation, as last read
+        # the two lowest replica records (sender leader -> generation), as last read or computed
+        self._floor: dict[int, str] = {}
+        self._floor_seen = False  # RING_FLOOR_KEY exists (it is never deleted): no check first
+        self._records = ReplicaRecords(comm.store, self.leaders)
         self.fetched = 0  # files this rank received from peers for a restore (logs, tests)
         self.repair_failures: list[str] = []  # why a node's copy could not be completed
         self.fetched_for_load: list[str] = []  # other nodes' shard files this rank's loads read
@@ -190,19 +195,24 @@ class NodeRing:
     def protected(self) -> frozenset[str]:
         """Leaders (pruning or persistence thread, in the memory prune): this node's own
         committed generations to keep for another node lost meanwhile (``keep_for_rebuild``).
-        Two store requests per other leader; when the store fails (it lives on rank 0's node,
-        which may be the one lost), the records last read decide."""
+        The first leader reads every receiver's record (``read_replica_records``: one
+        ``multi_get`` once all exist) and publishes the two lowest (``RING_FLOOR_KEY``); every
+        other leader reads that one key, so a save costs the store O(N) requests in all, not
+        one per pair of leaders. When the store fails (it lives on rank 0's node, which may
+        be the one lost), the records last read decide."""
         if not self.replicating or not self.is_leader:
             return frozenset()
         try:
-            for leader in self.leaders:
-                key = f"{REPLICA_OF_KEY}{leader}"
-                if leader != self.comm.rank and self.comm.store.check([key]):
-                    self._replica_of[leader] = self.comm.store.get(key).decode()
+            if self.comm.rank == self.leaders[0]:
+                self._floor = ring_floor(self._records.read())
+                self.comm.store.set(RING_FLOOR_KEY, json.dumps(self._floor).encode())
+            elif self._floor_seen or self.comm.store.check([RING_FLOOR_KEY]):
+                self._floor = {int(k): v for k, v in json.loads(self.comm.store.get(RING_FLOOR_KEY)).items()}
+                self._floor_seen = True
         except Exception:  # noqa: BLE001 - the store is gone (with rank 0's node): as last read
             log.warning("could not read the ring's replicas from the store; keeping what the "
                         "last records need", exc_info=True)
-        return keep_for_rebuild(self._committed(), self._replica_of.values())
+        return keep_for_rebuild(self._committed(), others_lowest(self._floor, self.comm.rank))
 
     def settle_replicas(self) -> None:
         """Leaders, pruning thread: the newest complete replica (its manifest arrived, last)
@@ -237,56 +247,82 @@ class NodeRing:
         self._pushed = None
 
     # ---- restore (all ranks) ---------------------------------------------------------------
-    def holdings(self) -> dict:
+    def holdings(self) -> tuple[Inventory, Manifests]:
         """A leader's inventory (``memory/routes.py``): its newest in-memory generations and
-        replicas, with the files each holds."""
+        replicas, with the files each holds; and the manifests they name."""
         return inventory({"memory": [(n, n) for n in self._committed()],
                           "replica": _received(self.replica_root)},
                          {"memory": self.tier.root, "replica": self.replica_root})
 
-    def _holdings_or_none(self):  # noqa: ANN202 - holdings()'s type, or None
+    def _holdings_or_none(self) -> tuple[Inventory | None, Manifests]:
         """This leader's holdings; None (it holds nothing usable) when reading them failed:
-        a leader that raised here would leave its peers in the all-gather."""
+        a leader that raised here would leave its peers in the gather."""
         try:
             return self.holdings()
         except Exception:  # noqa: BLE001 - logged; the routes then leave this node out
             log.exception("memory tier: this node's holdings could not be read")
-            return None
+            return None, {}
 
     def repair(self) -> None:
         """Complete every node's memory copy of the newest generation the nodes can complete,
         and give each node the other nodes' shard files its load reads (collective, one
-        routed exchange). No-op on one node."""
+        routed exchange). No-op on one node.
+
+        Call order: every rank gathers its leader's inventory to rank 0 (manifests named by
+        digest: O(W) bytes reach rank 0, O(1) leave any other rank); rank 0 broadcasts the
+        manifests it lacks and every rank joins the gather of their texts, each sent by one
+        holder (skipped when rank 0 holds them all, the usual case); rank 0 routes and
+        broadcasts the routes to the leaders only (on their restore group), which run the
+        exchange and gather their failures to rank 0 there."""
         if self.nodes == 1:
             return
-        gathered = self.comm.all_gather(self._holdings_or_none() if self.is_leader else None)
+        own, manifests = self._holdings_or_none() if self.is_leader else (None, {})
+        gathered = self.comm.gather(own)
+        held: dict[int, Inventory] = {}
+        wanted: dict[str, int] = {}
+        if self.comm.rank == 0:
+            assert gathered is not None
+            held = {rank: h for rank, h in enumerate(gathered) if h is not None}
+            wanted = wanted_manifests(held, manifests)
+        wanted = self.comm.broadcast(wanted)
+        if wanted:  # rank 0's node holds none of some candidate: its text from one holder
+            mine = {d: manifests[d] for d, holder in wanted.items()
+                    if holder == self.comm.rank and d in manifests}
+            for part in self.comm.gather(mine) or []:
+                manifests.update(part)
+        if not self.is_leader:
+            return
         routes: ExchangeRoutes | None = None
         if self.comm.rank == 0:
-            held = {rank: h for rank, h in enumerate(gathered) if h is not None}
             try:
                 members = {leader: self._members(leader) for leader in self.leaders}
-                routes = route_exchange(held, self.leaders, members, self.comm.world_size)
+                routes = route_exchange(held, manifests, self.leaders, members, self.comm.world_size)
             except Exception:  # noqa: BLE001 - no routes: restore reads what each node holds
                 log.exception("memory tier: the restore exchange could not be routed")
-        routes = self.comm.broadcast(routes)
-        if routes is None:
-            return
+        assert self.channel is not None
+        routes = self.comm.broadcast(routes, group=self.channel.group)
+        if routes is not None:
+            self._run_exchange(routes)
+
+    def _run_exchange(self, routes: ExchangeRoutes) -> None:
+        """Leaders: this node's part of the routed exchange; the failures to rank 0."""
+        assert self.channel is not None
         outcome = Outcome()
-        if self.is_leader and self.channel is not None:
-            try:
-                outcome = run_exchange(routes, self.channel, self.comm.rank,
-                                       Places(self.tier.root, self.replica_root, self.fetched_dir))
-            except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather below
-                log.exception("memory tier: this node's part of the restore exchange failed")
-                outcome = Outcome(failures=[f"rank {self.comm.rank}: {type(exc).__name__}: {exc}"])
+        try:
+            outcome = run_exchange(routes, self.channel, self.comm.rank,
+                                   Places(self.tier.root, self.replica_root, self.fetched_dir))
+        except Exception as exc:  # noqa: BLE001 - every leader must reach the gather below
+            log.exception("memory tier: this node's part of the restore exchange failed")
+            outcome = Outcome(failures=[f"rank {self.comm.rank}: {type(exc).__name__}: {exc}"])
         self.fetched += len(outcome.received)
-        failures = [f for failed in self.comm.all_gather(outcome.failures) for f in failed]
-        self.repair_failures = failures
-        if self.comm.rank == 0:
-            receivers = {t.destination for t in routes.transfers}
-            log.info("memory tier: %s completed on %d node(s) from peers (%d file(s))%s", routes.generation,
-                     len(receivers), len(routes.transfers),
-                     f"; failed: {'; '.join(failures)}" if failures else "")
+        gathered = self.comm.gather(outcome.failures, group=self.channel.group)
+        if self.comm.rank != 0:
+            return
+        self.repair_failures = failures = [f for failed in gathered or [] for f in failed]
+        receivers = {t.destination for t in routes.transfers}
+        log.info("memory tier: %s completed on %d node(s) from peers (%d file(s))%s", routes.generation,
+                 len(receivers), len(routes.transfers),
+                 f"; failed: {'; '.join(failures)}" if failures else "")
 
     def fetch_for_load(self, generation: str, manifest: Manifest, path: str) -> str | None:
         """A local path holding another node's shard file ``path`` of ``generation``, as the
@@ -319,6 +355,19 @@ class NodeRing:
             if not self.receiver.close(CLOSE_WAIT_S if not after_error else 1.0):
                 log.warning("the ring's receiver is still receiving at close")
         self.after_restore()
+
+
+def ring_floor(records: dict[int, str]) -> dict[int, str]:
+    """The two lowest replica records (sender leader -> generation): enough for every leader
+    to know the lowest of the others' (``others_lowest``), in O(1) bytes."""
+    lowest = sorted((parse_generation(g) or 0, leader, g) for leader, g in records.items())[:2]
+    return {leader: g for _, leader, g in lowest}
+
+
+def others_lowest(floor: dict[int, str], leader: int) -> list[str]:
+    """The lowest replica record of a node other than ``leader``'s, from ``ring_floor``'s two."""
+    others = sorted((parse_generation(g) or 0, g) for sender, g in floor.items() if sender != leader)
+    return [others[0][1]] if others else []
 
 
 def keep_for_rebuild(committed: list[str], replicas: Iterable[str]) -> frozenset[str]:

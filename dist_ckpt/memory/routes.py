@@ -1,8 +1,10 @@
 """The restore-time exchange of the memory tier, routed: which node sends which file to which.
 
 Every node leader contributes its inventory (``inventory``: its newest in-memory generations
-and replicas, with the files each holds). Rank 0 chooses, from all of them, the newest
-generation every node can complete (``route_exchange``), and the transfers that complete it:
+and replicas, with the files each holds), each copy named by its manifest's sha256, not its
+bytes: a manifest is O(W), and rank 0 reads each one only once (its own copy, or from one
+holder: ``wanted_manifests``). Rank 0 chooses, from all of them, the newest generation every
+node can complete (``route_exchange``), and the transfers that complete it:
 
 - into a node's memory copy: the files of its own ranks and the common files it lacks
   (``.metadata``, the global train state; the manifest signature on rank 0's node);
@@ -17,6 +19,7 @@ refused at arrival), spread over the holders. Pure functions: ``memory/exchange.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -36,10 +39,11 @@ HELD = 4
 
 @dataclass(frozen=True)
 class Copy:
-    """One leader's copy of a generation: its manifest, the files it holds, its directory
-    below its root, and the shard files every node's load reads (from its ``.metadata``)."""
+    """One leader's copy of a generation: its manifest's sha256, the files it holds, its
+    directory below its root, and the shard files every node's load reads (from its
+    ``.metadata``)."""
 
-    manifest: str
+    digest: str
     files: list[str]
     directory: str
     shared: list[str] = field(default_factory=list)
@@ -62,12 +66,18 @@ class ExchangeRoutes:
 
 
 Inventory = dict[str, dict[str, Copy]]  # root ("memory", "replica") -> generation -> copy
+Manifests = dict[str, str]  # a manifest's sha256 -> its text
 
 
-def inventory(roots: dict[str, list[tuple[str, str]]], paths: dict[str, str]) -> Inventory:
+def manifest_digest(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def inventory(roots: dict[str, list[tuple[str, str]]], paths: dict[str, str]) -> tuple[Inventory, Manifests]:
     """A leader's holdings: per root name, its ``HELD`` newest (generation, directory) whose
-    manifest reads; ``paths`` maps a root name to its directory."""
+    manifest reads; ``paths`` maps a root name to its directory. With the manifests they name."""
     held: Inventory = {}
+    manifests: Manifests = {}
     for root_name, found in roots.items():
         held[root_name] = {}
         for name, directory in found:
@@ -79,10 +89,12 @@ def inventory(roots: dict[str, list[tuple[str, str]]], paths: dict[str, str]) ->
                     raw = handle.read()
             except (OSError, UnicodeDecodeError):
                 continue
-            held[root_name][name] = Copy(raw, _files_below(path), directory, shared_files(path, name, raw))
+            digest = manifest_digest(raw)
+            manifests[digest] = raw
+            held[root_name][name] = Copy(digest, _files_below(path), directory, shared_files(path, name, raw))
             if len(held[root_name]) == HELD:
                 break
-    return held
+    return held, manifests
 
 
 def shared_files(directory: str, generation: str, manifest_raw: str) -> list[str]:
@@ -104,15 +116,31 @@ def shared_files(directory: str, generation: str, manifest_raw: str) -> list[str
                    if index.fqn in once})
 
 
-def route_exchange(held: dict[int, Inventory], leaders: list[int], members: dict[int, set[int]],
-                   world_size: int) -> ExchangeRoutes | None:
-    """Rank 0: the routes for the newest generation every node can complete; None when
-    nothing needs sending or nothing can be completed."""
+def _candidates(held: dict[int, Inventory]) -> list[tuple[str, list[tuple[int, str, Copy]]]]:
+    """Every generation held, newest first, with its copies (the first one's manifest rules)."""
     names = {n for h in held.values() for root in h.values() for n in root}
-    for name in sorted(names, key=parse_generation, reverse=True):
-        copies = [(rank, root, h[root][name]) for rank, h in sorted(held.items())
-                  for root in ("memory", "replica") if name in h.get(root, {})]
-        manifest_raw = copies[0][2].manifest
+    return [(name, [(rank, root, h[root][name]) for rank, h in sorted(held.items())
+                    for root in ("memory", "replica") if name in h.get(root, {})])
+            for name in sorted(names, key=parse_generation, reverse=True)]
+
+
+def wanted_manifests(held: dict[int, Inventory], have: Manifests) -> dict[str, int]:
+    """Rank 0: the manifests routing reads that it does not hold itself, each with one leader
+    that holds it (the lowest rank)."""
+    return {copies[0][2].digest: copies[0][0] for _, copies in _candidates(held)
+            if copies[0][2].digest not in have}
+
+
+def route_exchange(held: dict[int, Inventory], manifests: Manifests, leaders: list[int],
+                   members: dict[int, set[int]], world_size: int) -> ExchangeRoutes | None:
+    """Rank 0: the routes for the newest generation every node can complete; None when
+    nothing needs sending or nothing can be completed. ``manifests``: the texts of the
+    manifests ``held`` names (a generation whose manifest is absent is passed over)."""
+    for name, copies in _candidates(held):
+        digest = copies[0][2].digest
+        manifest_raw = manifests.get(digest)
+        if manifest_raw is None or manifest_digest(manifest_raw) != digest:
+            continue
         try:
             manifest = Manifest.from_bytes(manifest_raw.encode(), generation=name)
         except Exception:  # noqa: BLE001 - a damaged copy: the next generation
@@ -120,14 +148,14 @@ def route_exchange(held: dict[int, Inventory], leaders: list[int], members: dict
         if manifest.world_size != world_size:
             continue  # selection rejects it with its reason
         same = [(rank, f"{root}/{c.directory}", set(c.files), c.shared)
-                for rank, root, c in copies if c.manifest == manifest_raw]
-        transfers = _transfers(name, manifest, manifest_raw, same, held, leaders, members)
+                for rank, root, c in copies if c.digest == digest]
+        transfers = _transfers(name, manifest, digest, same, held, leaders, members)
         if transfers is not None:
             return ExchangeRoutes(name, manifest_raw, transfers) if transfers else None
     return None
 
 
-def _transfers(name: str, manifest: Manifest, manifest_raw: str, sources: list, held: dict[int, Inventory],
+def _transfers(name: str, manifest: Manifest, digest: str, sources: list, held: dict[int, Inventory],
                leaders: list[int], members: dict[int, set[int]]) -> list[Transfer] | None:
     """The transfers completing ``name`` on every node; None when some node cannot be."""
     shared = next((s for *_, s in sources if s), [])
@@ -137,7 +165,7 @@ def _transfers(name: str, manifest: Manifest, manifest_raw: str, sources: list, 
     for leader in leaders:
         ranks = members[leader]
         mine = held.get(leader, {}).get("memory", {}).get(name)
-        if mine is not None and mine.manifest != manifest_raw:
+        if mine is not None and mine.digest != digest:
             return None  # another timeline's copy of that name: never mixed
         have = set(mine.files) if mine is not None else set()
         needed = {f.path for f in manifest.files if f.rank in ranks or f.path in COMMON_FILES}

@@ -9,6 +9,7 @@ point-to-point file transfers between node leaders) come from :meth:`Comm.new_gr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -16,7 +17,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,7 @@ from .node import Node, host_name, layout_from, torchrun_leader
 log = logs.get(__name__)
 
 MIN_BLOCKING_S = 0.05  # shorter deadlines poll (Comm.blocking_wait)
+GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 
 
 def poll_until(done: Callable[[], bool], deadline: float, *, first_s: float = 0.002,
@@ -44,6 +46,22 @@ def poll_until(done: Callable[[], bool], deadline: float, *, first_s: float = 0.
         time.sleep(min(interval, remaining))
         interval = min(interval * 2, max_s)
     return True
+
+
+@contextlib.contextmanager
+def lazy_gloo() -> Iterator[None]:
+    """Gloo groups created meanwhile connect a pair of ranks on its first use, not every pair
+    at creation (``TORCH_GLOO_LAZY_INIT``, read when a group is created): the checkpoint
+    group's collectives touch few pairs per rank, and a full mesh of W ranks is O(W²)
+    connections made through the job's store at start-up. A value the user set is kept."""
+    if GLOO_LAZY_ENV in os.environ:
+        yield
+        return
+    os.environ[GLOO_LAZY_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(GLOO_LAZY_ENV, None)
 
 
 def current_rank_and_world() -> tuple[int, int]:
@@ -65,7 +83,8 @@ class Comm:
         self.distributed = self.world_size > 1 or (dist.is_available() and dist.is_initialized())
         if self.distributed:
             # a rank may sit in a foreground all-gather while a peer blocks on its oldest save
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            with lazy_gloo():
+                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             base_store = dist.distributed_c10d._get_default_store()
         else:
             self.group = None
@@ -92,7 +111,8 @@ class Comm:
         elsewhere and when not distributed. ``close`` destroys it."""
         if not self.distributed:
             return None
-        group = dist.new_group(ranks=sorted(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
+        with lazy_gloo():
+            group = dist.new_group(ranks=sorted(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
         if self.rank not in ranks:
             return None
         self._groups.append(group)
@@ -164,18 +184,22 @@ class Comm:
         caller may work while peers arrive: ``save()`` copies into staging meanwhile."""
         return PendingGather(self, obj)
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: Any, src: int = 0, group: Any = None) -> Any:
+        """``src``'s object, on every rank of ``group`` (default: the checkpoint group)."""
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, src=src, group=group if group is not None else self.group)
         return box[0]
 
-    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+    def gather(self, obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
+        """Every rank's object of ``group`` (default: the checkpoint group), in its rank
+        order, on ``dst`` only (global ranks); None elsewhere."""
         if not self.distributed:
             return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst, group=self.group)
+        size = dist.get_world_size(group) if group is not None else self.world_size
+        out: list[Any] | None = [None] * size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=group if group is not None else self.group)
         return out
 
     def scatter(self, objs: list[Any] | None, src: int = 0) -> Any:

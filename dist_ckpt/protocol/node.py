@@ -121,8 +121,10 @@ class Node:
         self.hint()
 
     def hint(self) -> None:
-        """This node's watcher should stay awake: a message is near (any local rank)."""
-        _write_atomic(os.path.join(self.directory, "hint"), b"")
+        """This node's watcher should stay awake: a message is near (any local rank). Nothing
+        once the node directory is gone (its leader closed: no watcher to wake)."""
+        with contextlib.suppress(OSError):
+            _write_atomic(os.path.join(self.directory, "hint"), b"")
 
     def relay_post(self, name: str, data: bytes, readers: Iterable[int] | None = None) -> None:
         """Leader: ``data`` for the node's other ranks under ``name`` (one writer per name);
@@ -307,7 +309,10 @@ class BellWatcher:
                     return
                 if value != seen:
                     seen, interval = value, FAST_S
-                    _write_atomic(node.bell.path, str(value).encode())
+                    try:
+                        _write_atomic(node.bell.path, str(value).encode())
+                    except OSError:  # the node directory is gone: its leader is closing
+                        return
                 else:
                     interval = min(interval * 2, IDLE_S)
                 next_read = now + interval

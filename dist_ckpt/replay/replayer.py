@@ -79,11 +79,10 @@ from .channels import channel as channel_spec
 from .record import update_record
 
 log = logs.get(__name__)
-# after a local commit a follower asks the store itself for the next announcement for this
-# long (polling, as rank 0 announces within seconds); idle, it waits for the node's bell
-ACTIVE_S = 10.0
-# idle, a follower asks the store only after the bell changed, and otherwise this seldom: a
-# guard against a ring it could not see (its node's watcher gone), not the way it learns
+# a follower asks the store only after the node's bell changed, and otherwise this seldom: a
+# guard against a ring it could not see (its node's watcher gone), not the way it learns.
+# After a local commit, when rank 0's announcement is near, it hints the node's watcher,
+# which then reads the bell fast for a while: one reader per node, never one per rank
 IDLE_CHECK_S = 60.0
 BELL_WAIT_S = 5.0  # how long one look at the bell waits before the follower looks at its clock
 
@@ -136,7 +135,6 @@ class Replayer:
         self._local_done: set[str] = set()
         # set by close; an event (not a flag under _cond) so a follower's bell wait ends on it
         self._closing = threading.Event()
-        self._active_until = 0.0  # monotonic: after a local commit, followers ask the store directly
         self._seq = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"dist-ckpt-{channel}")
         self._thread.start()
@@ -166,7 +164,7 @@ class Replayer:
     # ---- all ranks ---------------------------------------------------------------------
     def local_committed(self, generation: str) -> None:
         """This rank's copy of ``generation`` is in place (its save job finished)."""
-        self._active_until = time.monotonic() + ACTIVE_S
+        self.comm.node.hint()
         with self._cond:
             self._local_done.add(generation)
             self._cond.notify_all()
@@ -246,9 +244,9 @@ class Replayer:
         bell = self.comm.node.bell
         seen, changed, checked = bell.value(), True, float("-inf")
         while True:
-            # a commit here: an announcement is near; this rank closing: rank 0's stop is near,
-            # and the watcher that would show its ring may have closed with its node's leader
-            if time.monotonic() < self._active_until or self._closing.is_set():
+            # this rank closing: rank 0's stop is near, and the watcher that would show its
+            # ring may have closed with its node's leader (once per close, not per save)
+            if self._closing.is_set():
                 if not self.comm.store_wait([seq_key], 0.5):
                     break
                 continue
