@@ -114,8 +114,8 @@ from .scale_report import print_table as print_table
 from .scale_worker import NotMeasured, cpu_seconds, meminfo, raise_nofile, serve_store, worker_main
 
 DEFAULT_RANKS = (256, 1024, 4096)
-# the idle window: two of a replay follower's 5 s checks, after the bell watcher's start
-# (its reads FAST_S apart, doubling to one a second, take about 2.3 s; more on a loaded machine)
+# the idle window, after the bell watchers' start (their reads FAST_S apart, doubling to one a
+# second, take about 2.3 s; more on a loaded machine): ten of a watcher's idle reads
 IDLE_S = 10.0
 IDLE_WARMUP_S = 4.0
 IDLE_NODES = 4
