@@ -28,7 +28,7 @@ from dist_ckpt import CheckpointConfig, CheckpointManager, TrainState
 from dist_ckpt.format.manifest import DCP_OBJECT_PREFIX, MANIFEST_NAME, OBJECTS_DIR, is_object_path
 from dist_ckpt.restore import onepass
 from dist_ckpt.restore.records import parse_tensor_record
-from dist_ckpt.save import shardio
+from dist_ckpt.save import legacy_framing, shardio
 from tests.helpers.local_jobs import load_with_plain_dcp
 
 GENERATIONS = ("gen-000000000001", "gen-000000000002", "gen-000000000003")
@@ -315,7 +315,7 @@ def without_key(raw: bytes, key: str) -> bytes:
     return raw.replace(pickled(key), pickled("0"))
 
 
-@pytest.mark.parametrize("dtype", sorted(shardio.LEGACY_DTYPES, key=str))
+@pytest.mark.parametrize("dtype", sorted(legacy_framing.LEGACY_DTYPES, key=str))
 def test_the_framing_is_torchs_legacy_save(dtype: torch.dtype) -> None:
     """Header and bytes are what ``torch.save(..., _use_new_zipfile_serialization=False)``
     writes, but for the storage key (an address there, "0" here); torch.load and the restore's
@@ -324,7 +324,7 @@ def test_the_framing_is_torchs_legacy_save(dtype: torch.dtype) -> None:
         tensor = (torch.rand(shape) * 10).to(dtype)
         theirs = io.BytesIO()
         torch.save(tensor, theirs, _use_new_zipfile_serialization=False)
-        mine = shardio.legacy_header(dtype, tuple(tensor.size()), tuple(tensor.stride())) \
+        mine = legacy_framing.legacy_header(dtype, tuple(tensor.size()), tuple(tensor.stride())) \
             + tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
         assert mine == without_key(theirs.getvalue(), str(tensor.untyped_storage()._cdata)), shape
         assert torch.equal(torch.load(io.BytesIO(mine), weights_only=True), tensor), shape

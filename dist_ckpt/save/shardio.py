@@ -13,21 +13,17 @@ costs the job at most the deadline plus the request already in progress.
 A small tensor costs its bytes: DCP frames each tensor item as a ``torch.save`` zip (seven
 records with aligned headers and a central directory, about 1.5 KiB around the bytes), while
 the tensors of a rank's small-items file are written in torch's legacy ``torch.save`` format
-(``legacy_header``: about 0.3 KiB), its non-tensor items too (``write_legacy_object``: about
-0.15 KiB instead of 1.2), and so are the tensors of a pack (a rank's small frozen tensors in
+(``legacy_framing``: about 0.3 KiB), its non-tensor items too (about 0.15 KiB instead of
+1.2), and so are the tensors of a pack (a rank's small frozen tensors in
 one shared object, ``dist_ckpt.save.reuse``). ``torch.load``, and so plain ``dcp.load``, reads
 both.
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import os
-import pickle
 import queue
-import struct
-import sys
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
@@ -41,17 +37,16 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystem,
     FileSystemWriter,
     SerializationFormat,
-    _StorageInfo,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
-from torch.serialization import INT_SIZE, LONG_SIZE, MAGIC_NUMBER, PROTOCOL_VERSION, SHORT_SIZE
 from torch.utils.serialization import config as serialization_config
 
 from .. import faults
 from ..digests import DEFAULT_ALGORITHM, hasher
 from ..storage.directio import ALIGN, IN_PLACE_MIN, Sink, address, durable_file
+from .legacy_framing import legacy_framable, write_legacy_item, write_legacy_object
 
 _crc_lock = threading.Lock()
 _crc_off_writers = 0
@@ -68,14 +63,6 @@ try:  # DCP's framing of one item; without it every small item keeps DCP's own f
     from torch.distributed.checkpoint.filesystem import _write_item
 except ImportError:  # pragma: no cover - another torch release
     _write_item = None  # type: ignore[assignment]
-
-# the dtypes torch's legacy format saves through a typed storage class (torch.FloatStorage,
-# ...); the others (float8, the wider unsigned types) keep the zip framing
-LEGACY_DTYPES = frozenset({
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex128, torch.complex64})
-_LEGACY_PICKLE_PROTOCOL = 2  # torch.save's default (DEFAULT_PROTOCOL)
-_LEGACY_STORAGE_KEY = "0"  # torch takes the storage's address: this one does not vary
 
 SMALL_ITEM_BYTES = 64 << 10  # SmallItemsApartWriter: what goes to a rank's small-items file
 _GATHER_BELOW = 16 << 10  # HashingStream: writes this small are gathered ...
@@ -130,72 +117,6 @@ def _storage_offset_in_record() -> int:
     with without_zip_crc32():
         torch.save(probe, Counting())
     return found[0] if found else 0
-
-
-class _LegacyPickler(pickle.Pickler):
-    """torch's legacy pickler: a tensor's storage is a persistent id, its bytes follow the pickles."""
-
-    def persistent_id(self, obj: Any) -> tuple | None:
-        if isinstance(obj, torch.storage.TypedStorage):
-            return ("storage", getattr(torch, obj._pickle_storage_type()), _LEGACY_STORAGE_KEY,
-                    "cpu", obj._size(), None)
-        return None
-
-
-@functools.lru_cache(maxsize=4096)
-def legacy_header(dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
-    """The bytes ``torch.save(t, f, _use_new_zipfile_serialization=False)`` writes before the
-    storage bytes of a dense CPU tensor ``t`` (offset 0, its storage exactly its elements):
-    the magic number, protocol version and system information pickles, the tensor's pickle,
-    the list of its one storage key, and the storage's element count (int64, little-endian).
-    Only the storage key differs from torch's (``"0"``, where torch writes an address), so a
-    tensor of one dtype and shape is always framed alike (a cached plan's offsets repeat)."""
-    out = io.BytesIO()
-    system = {"protocol_version": PROTOCOL_VERSION, "little_endian": sys.byteorder == "little",
-              "type_sizes": {"short": SHORT_SIZE, "int": INT_SIZE, "long": LONG_SIZE}}
-    for value in (MAGIC_NUMBER, PROTOCOL_VERSION, system):
-        pickle.dump(value, out, protocol=_LEGACY_PICKLE_PROTOCOL)
-    probe = torch.empty_strided(size, stride, dtype=dtype)
-    _LegacyPickler(out, protocol=_LEGACY_PICKLE_PROTOCOL).dump(probe)
-    pickle.dump([_LEGACY_STORAGE_KEY], out, protocol=_LEGACY_PICKLE_PROTOCOL)
-    out.write(struct.pack("<q", probe.numel()))
-    return out.getvalue()
-
-
-def legacy_framable(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s bytes, as they lie, are its legacy record's storage bytes."""
-    return (type(tensor) is torch.Tensor and tensor.layout == torch.strided and tensor.device.type == "cpu"
-            and tensor.dtype in LEGACY_DTYPES and sys.byteorder == "little" and not tensor.requires_grad
-            and not tensor.is_conj() and not tensor.is_neg() and tensor.is_contiguous()
-            and tensor.storage_offset() == 0
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
-
-
-def write_legacy_item(stream: io.IOBase, tensor: torch.Tensor, item: WriteItem,
-                      storage_key: str) -> WriteResult:
-    """One tensor item in torch's legacy format (``legacy_framable`` said yes), its bytes
-    written from where they lie."""
-    offset = stream.tell()
-    stream.write(legacy_header(tensor.dtype, tuple(tensor.size()), tuple(tensor.stride())))
-    if tensor.numel():
-        stream.write(tensor.reshape(-1).view(torch.uint8).numpy())
-    length = stream.tell() - offset
-    return WriteResult(index=item.index, size_in_bytes=length,
-                       storage_data=_StorageInfo(storage_key, offset, length))
-
-
-def write_legacy_object(stream: io.IOBase, value: Any, item: WriteItem, storage_key: str) -> WriteResult:
-    """One non-tensor item (a ``BYTE_IO`` item: a learning rate, betas, a param group's list)
-    as ``torch.save(value, f, _use_new_zipfile_serialization=False)`` writes it: about 0.15
-    KiB around its pickle, where DCP's ``torch.save`` zip takes 1.2 KiB. ``torch.load``
-    reads either, and so does DCP's loader (``load_bytes``)."""
-    offset = stream.tell()
-    framed = io.BytesIO()
-    torch.save(value, framed, _use_new_zipfile_serialization=False)
-    stream.write(framed.getbuffer())
-    length = stream.tell() - offset
-    return WriteResult(index=item.index, size_in_bytes=length,
-                       storage_data=_StorageInfo(storage_key, offset, length))
 
 
 def _saves_objects_plainly(planner: SavePlanner) -> bool:
@@ -389,7 +310,7 @@ class SmallItemsApartWriter(FileSystemWriter):
     ones together in one file, a pack, written like the small-items file.
 
     The small-items file's items and the pack's are framed in torch's legacy format
-    (``legacy_header``, ``write_legacy_object``), after DCP's writer threads are done
+    (``legacy_framing``), after DCP's writer threads are done
     (``_write_beside``); every other item, and every item of the other files, keeps DCP's own
     framing and path."""
 
