@@ -67,3 +67,13 @@ def test_a_missing_or_foreign_baseline_is_said_so(tmp_path, capsys) -> None:
 def test_the_default_path_is_per_job_kind_and_size() -> None:
     path = baseline.default_path({"state_mib": 512, "job": "finetune", "kind": "ddp"})
     assert path.endswith("scripts/bench/baselines/compare-finetune-ddp-512.json")
+
+
+def test_time_lost_pairs_are_averaged_one_of_either_order() -> None:
+    """Pairs alternate which run comes first; a busy machine slows the first run of a pair,
+    which splits raw pairs into two clusters. Averaged two by two, the order cancels."""
+    from scripts.bench.compare_report import order_balanced
+
+    first_slow = [0.5 + 0.4, 0.5 - 0.4] * 3 + [2.0]  # an unmatched last pair is left out
+    assert order_balanced(first_slow) == [0.5, 0.5, 0.5]
+    assert order_balanced([0.3]) == []

@@ -15,8 +15,8 @@ from .compare_methods import ORDER
 from .cpu_profile import format_profile
 from .heartbeat import print_costs
 from .runner import OPT_IN_PHASES, PHASES, run_all
-from .scale import DEFAULT_RANKS
-from .scale import print_table as print_scale_table
+from .scale_report import DEFAULT_RANKS
+from .scale_report import print_table as print_scale_table
 
 USAGE = """The dist_ckpt benchmark: every performance target measured in one run (2 gloo ranks).
 

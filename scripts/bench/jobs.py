@@ -145,6 +145,14 @@ def barrier() -> None:
         dist.barrier()
 
 
+def median_quartiles(values: list[float]) -> tuple[float, float, float]:
+    """First quartile, median and third quartile (one value: itself three times)."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 

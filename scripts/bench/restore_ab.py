@@ -205,15 +205,10 @@ def rank_ab(rank: int, world: int, cfg: dict[str, Any], base: str) -> dict[str, 
     return out
 
 
-def _quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, median, q3
-
-
 def report(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     """Slowest rank per repetition (wall), each rank's CPU per call; printed and returned."""
+    from . import jobs
+
     summary: dict[str, Any] = {"config": cfg, "generation": ranks[0]["generation"]}
     mode = "warm" if cfg["warm"] else "cold"
     print(f"restore A/B, {mode}, {len(ranks)} ranks, {cfg['state_mib']} MiB per rank, "
@@ -222,7 +217,7 @@ def report(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     names = [name for name in ("verified", "verified_base", "dcp_load") if name in ranks[0]["wall"]]
     for name in names:
         slowest = [max(r["wall"][name][i] for r in ranks) for i in range(cfg["repeats"])]
-        q1, median, q3 = _quartiles(slowest)
+        q1, median, q3 = jobs.median_quartiles(slowest)
         medians[name] = median
         cpu_parts = []
         for r in ranks:

@@ -110,10 +110,10 @@ from typing import Any
 
 from . import scale_protocol as adapter
 from .scale_clients import Broker
+from .scale_report import DEFAULT_RANKS as DEFAULT_RANKS
 from .scale_report import print_table as print_table
 from .scale_worker import NotMeasured, cpu_seconds, meminfo, raise_nofile, serve_store, worker_main
 
-DEFAULT_RANKS = (256, 1024, 4096)
 # the idle window, after the bell watchers' start (their reads FAST_S apart, doubling to one a
 # second, take about 2.3 s; more on a loaded machine): ten of a watcher's idle reads
 IDLE_S = 10.0

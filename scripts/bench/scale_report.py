@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+DEFAULT_RANKS = (256, 1024, 4096)  # --ranks of the scale phase
+
 HEADER = ("ranks", "rank 0 commit s", "store req/save", "store MB/save", "max read other/save",
           "max read any/save", "server CPU s/save", "idle req/s (job)", "restore store MB",
           "coll/rank/save", "restore coll/rank", "arrivals s")
