@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -47,10 +48,13 @@ REPLICA_OF_KEY = "ring/replica-of/"  # + sender's rank: the generation of its ne
 RING_FLOOR_KEY = "ring/floor"  # the two lowest records ({sender: generation}, JSON), by the first leader
 OFFER_WAIT_S = 10.0  # how long a sender waits for its successor to take an offer
 # a receiver looks at the store for the next offer when the job's bell rings (the sender
-# rings it, ``protocol/node.py``) and, in case a ring was missed, once per IDLE_CHECK_S; it
-# never polls the store itself: right after a save, when the next offer is near, its node's
-# watcher reads the bell fast already (the replayer hints it at each local commit)
+# rings it, ``protocol/node.py``) and, in case a ring was missed, once per IDLE_CHECK_S
 IDLE_CHECK_S = 30.0
+# after it took an offer, a receiver (one per node: the leader) asks the store itself for the
+# next one for this long: a job that saves every few updates pushes every save, and waiting
+# for the bell (its watcher's reads up to a second apart) made replicas lag generations behind
+ACTIVE_S = 10.0
+ACTIVE_POLL_S = 0.5
 RETRY_S = 2.0  # a receiver's pause after the store failed it, before it looks again
 
 
@@ -143,6 +147,7 @@ class Receiver:
         self.on_replica = on_replica  # tests: a replica arrived
         self.received = 0  # replicas kept
         self._closed = threading.Event()
+        self._active_until = 0.0  # monotonic: the store is asked directly until then
         self._thread = threading.Thread(target=self._run, daemon=True, name="dist-ckpt-ring-receiver")
 
     def start(self) -> None:
@@ -184,11 +189,16 @@ class Receiver:
         sender withdrew it first, else the offer, taken (compare-and-set) and deleted."""
         store = self.comm.store
         offer_key = _key("offer", self.predecessor, number)
-        bell = self.comm.node.bell
-        rang = bell.value()  # before the check: a ring after it is a change from this value
-        if not store.check([offer_key]):
-            bell.wait(rang, IDLE_CHECK_S, stop=self._closed)
-            return None
+        if time.monotonic() < self._active_until:
+            if self.comm.store_wait([offer_key], ACTIVE_POLL_S):
+                return None
+        else:
+            bell = self.comm.node.bell
+            rang = bell.value()  # before the check: a ring after it is a change from this value
+            if not store.check([offer_key]):
+                bell.wait(rang, IDLE_CHECK_S, stop=self._closed)
+                return None
+        self._active_until = time.monotonic() + ACTIVE_S
         if store.compare_set(_key("accept", self.predecessor, number), "", "accepted") != b"accepted":
             return {}
         offer = json.loads(store.get(offer_key))
