@@ -70,9 +70,9 @@ a machine per rank: two cores run the server, rank 0 and every simulated rank, s
 rank polls less often than on its own core and request counts that depend on how long
 something took (a rank polling for the outcome) are lower than a real job's; other users of
 the job's store (torchrun's agent, NCCL bootstrap); failures and slow ranks; ``save()``'s
-blocking path besides its agreement; the memory tier's restore (its holdings all-gather and
+blocking path besides its agreement; the memory tier's restore (its holdings gather and
 exchange); the replay channels' per-generation traffic (announcements, reports, common files)
-and the memory ring's pushes; a first save (planning): the warm-up saves are dropped; the
+and the memory ring's pushes and floor; a first save (planning): the warm-up saves are dropped; the
 node leaders' bell watchers outside the idle phase (``scale_protocol``: each leader's reads of
 the bell, about one a second plus a few after each commit, are the idle figure, not a save's).
 
