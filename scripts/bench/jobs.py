@@ -145,6 +145,32 @@ def barrier() -> None:
         dist.barrier()
 
 
+def run_two_ranks(rank_fn: Callable[..., Any], cfg: dict[str, Any], report: Callable[..., dict[str, Any]],
+                  *, environment: Any, prefix: str, timeout_s: float, parent: str | None = None,
+                  json_path: str | None = None) -> dict[str, Any]:
+    """A diagnostic's run (``restore_ab``, ``lost_ab``): ``rank_fn(rank, world, cfg, base)`` on 2
+    ranks of the imported library's ``run_ranks`` in a scratch directory (removed after), under
+    ``environment`` (a context manager the ranks start in); ``report(ranks, cfg)``'s summary,
+    also written to ``json_path``."""
+    import json
+    import shutil
+    import tempfile
+
+    from dist_ckpt.testing import run_ranks  # the library measured: imported late, on purpose
+
+    base = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        with environment:
+            ranks = run_ranks(2, rank_fn, cfg, base, timeout_s=timeout_s)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    summary = report(ranks, cfg)
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(summary, handle, indent=1)
+    return summary
+
+
 def median_quartiles(values: list[float]) -> tuple[float, float, float]:
     """First quartile, median and third quartile (one value: itself three times)."""
     if len(values) < 2:

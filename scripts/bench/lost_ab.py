@@ -26,12 +26,9 @@ Usage (from the repository root):
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 from typing import Any
 from unittest import mock
 
@@ -123,18 +120,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.start == "spawn":
         os.environ["DIST_CKPT_RANK_START"] = "spawn"
 
-    from dist_ckpt.testing import run_ranks
+    from . import jobs
 
-    base = tempfile.mkdtemp(prefix="lost-ab-")
-    try:
-        with mock.patch.dict(os.environ, CACHING_MALLOC_ENV):  # the ranks read it at start
-            ranks = run_ranks(2, rank_lost, cfg, base, timeout_s=RUN_TIMEOUT_S)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    summary = report(ranks, cfg)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(summary, handle, indent=1)
+    # the ranks read the allocator's settings at start
+    jobs.run_two_ranks(rank_lost, cfg, report, environment=mock.patch.dict(os.environ, CACHING_MALLOC_ENV),
+                       prefix="lost-ab-", timeout_s=RUN_TIMEOUT_S, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -30,14 +30,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import resource
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -257,8 +254,6 @@ def report(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from dist_ckpt.testing import run_ranks
-
     from .runner import rank_environment
 
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.restore_ab", description=__doc__,
@@ -277,16 +272,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {"state_mib": args.state_mib, "repeats": args.repeats, "warm": args.warm,
            "profile": args.profile, "timeline": args.timeline, "allocator": "caching",
            "baseline_onepass": args.baseline_onepass and os.path.abspath(args.baseline_onepass)}
-    base = tempfile.mkdtemp(prefix="restore-ab-", dir=args.dir)
-    try:
-        with rank_environment(cfg):
-            ranks = run_ranks(2, rank_ab, cfg, base, timeout_s=RUN_TIMEOUT_S)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    summary = report(ranks, cfg)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(summary, handle, indent=1)
+    from . import jobs
+
+    jobs.run_two_ranks(rank_ab, cfg, report, environment=rank_environment(cfg), prefix="restore-ab-",
+                       timeout_s=RUN_TIMEOUT_S, parent=args.dir, json_path=args.json)
 
 
 if __name__ == "__main__":
