@@ -195,7 +195,7 @@ class NodeRing:
     def protected(self) -> frozenset[str]:
         """Leaders (pruning or persistence thread, in the memory prune): this node's own
         committed generations to keep for another node lost meanwhile (``keep_for_rebuild``).
-        The first leader reads every receiver's record (``read_replica_records``: one
+        The first leader reads every receiver's record (``ReplicaRecords.read``: one
         ``multi_get`` once all exist) and publishes the two lowest (``RING_FLOOR_KEY``); every
         other leader reads that one key, so a save costs the store O(N) requests in all, not
         one per pair of leaders. When the store fails (it lives on rank 0's node, which may
